@@ -1,0 +1,398 @@
+"""One engine thread per loaded model: it owns the model, its BatchGenerator and
+every MLX call for it.
+
+The loop: drain the inbox (insert, cancel, abort) → one `BatchGenerator.next()`
+step → publish tokens → act on flags at the step boundary (clear the MLX pool,
+stop). Other threads talk to it only through the inbox and GIL-atomic flags.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from engine.errors import Aborted, PlimsollError, Unavailable
+from engine.loading import LoadedModel, load_model
+from engine.request import (
+    Chunk,
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+)
+from engine.sampling import make_request_processors, make_request_sampler
+from engine.textstream import TextStream
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.05
+
+
+@dataclass
+class EngineSettings:
+    max_num_seqs: int = 32
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 512
+
+
+@dataclass
+class _Live:
+    """Engine-thread state of one request in the batch."""
+
+    request: GenerationRequest
+    sink: asyncio.Queue
+    uid: int
+    text: TextStream
+    cached_tokens: int
+    inserted_at: float
+    first_token_at: float | None = None
+    generated: int = 0
+
+
+@dataclass
+class EngineStats:
+    """What other threads may read about the engine without touching MLX."""
+
+    active_requests: int = 0
+    waiting_requests: int = 0
+    request_ids: tuple[str, ...] = ()
+    request_started: tuple[float, ...] = ()
+    mlx_active_bytes: int = 0
+    mlx_pool_bytes: int = 0
+    sampled_at: float = 0.0
+
+
+@dataclass
+class _Insert:
+    request: GenerationRequest
+    sink: asyncio.Queue
+    cache: list[Any] | None = None
+    cached_tokens: int = 0
+
+
+@dataclass
+class _Cancel:
+    request_ids: Sequence[str] | None  # None: every request
+    error: PlimsollError | None  # None: the client left, nobody to tell
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+FinishHook = Callable[[GenerationRequest, list[Any], list[int]], None]
+
+
+class ModelEngine:
+    """A model and the thread that owns it."""
+
+    def __init__(
+        self,
+        model_id: str,
+        source: str,
+        loop: asyncio.AbstractEventLoop,
+        settings: EngineSettings | None = None,
+        on_finish: FinishHook | None = None,
+    ) -> None:
+        self.model_id = model_id
+        self.source = source
+        self.settings = settings or EngineSettings()
+        self._loop = loop
+        self._on_finish = on_finish
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, name=f"engine-{model_id}", daemon=True
+        )
+        self.loaded: concurrent.futures.Future[LoadedModel] = concurrent.futures.Future()
+        self.stopped: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self.stats = EngineStats()
+        # GIL-atomic flags, consumed by the engine thread at the next step boundary.
+        self._pressure_reclaim = False
+        self._idle_reclaim = False
+        self._load_abort = False
+        self._stop = False
+        self._stop_error: PlimsollError | None = None
+        self.info: LoadedModel | None = None
+
+    # -- called from any thread -------------------------------------------------
+    def start(self) -> concurrent.futures.Future[LoadedModel]:
+        self._thread.start()
+        return self.loaded
+
+    def submit(
+        self,
+        request: GenerationRequest,
+        sink: asyncio.Queue,
+        cache: list[Any] | None = None,
+        cached_tokens: int = 0,
+    ) -> None:
+        if self._stop:
+            raise Unavailable(f"model {self.model_id} is unloading", retry_after_s=1.0)
+        self.stats.waiting_requests += 1
+        self._inbox.put(_Insert(request, sink, cache, cached_tokens))
+
+    def cancel(self, request_id: str) -> None:
+        """The client left: drop the sequence at the next step, tell nobody."""
+        self._inbox.put(_Cancel([request_id], None))
+
+    def abort(
+        self, error: PlimsollError, request_ids: Sequence[str] | None = None
+    ) -> concurrent.futures.Future:
+        """Ends requests with `error`; resolves to the ids actually ended."""
+        cmd = _Cancel(request_ids, error)
+        self._inbox.put(cmd)
+        return cmd.done
+
+    def request_pressure_reclaim(self) -> bool:
+        self._pressure_reclaim = True
+        return self._thread.is_alive()
+
+    def request_idle_reclaim(self) -> None:
+        self._idle_reclaim = True
+
+    def flag_load_abort(self) -> None:
+        self._load_abort = True
+
+    def stop(self, error: PlimsollError | None = None) -> concurrent.futures.Future[int]:
+        """Stops the thread; running requests end with `error`. Resolves to bytes freed."""
+        self._stop_error = error or Unavailable(f"model {self.model_id} was unloaded")
+        self._stop = True
+        self._inbox.put(None)  # wake the thread
+        if not self._thread.is_alive() and not self.stopped.done():
+            self.stopped.set_result(0)
+        return self.stopped
+
+    @property
+    def is_loading(self) -> bool:
+        return not self.loaded.done()
+
+    @property
+    def busy(self) -> bool:
+        return self.stats.active_requests + self.stats.waiting_requests > 0
+
+    # -- the engine thread ----------------------------------------------------------
+    def _run(self) -> None:
+        before = mx.get_active_memory()
+        try:
+            if self._load_abort:
+                raise Aborted(f"load of {self.model_id} aborted", reason="LOAD_ABORTED")
+            info = load_model(self.source)
+            if self._load_abort:
+                raise Aborted(f"load of {self.model_id} aborted", reason="LOAD_ABORTED")
+        except BaseException as exc:  # noqa: BLE001 - reported through the future
+            gc.collect()
+            mx.clear_cache()
+            self.loaded.set_exception(exc)
+            self.stopped.set_result(0)
+            return
+        info.measured_bytes = max(0, mx.get_active_memory() - before)
+        self.info = info
+        eos = StopSequences([(t,) for t in info.tokenizer.eos_token_ids])
+        no_stop = StopSequences(None)
+        gen = BatchGenerator(
+            info.model,
+            completion_batch_size=self.settings.max_num_seqs,
+            prefill_batch_size=min(self.settings.prefill_batch_size, self.settings.max_num_seqs),
+            prefill_step_size=self.settings.prefill_step_size,
+        )
+        self._sample_memory()
+        self.loaded.set_result(info)
+        live: dict[int, _Live] = {}
+        by_id: dict[str, _Live] = {}
+        try:
+            while not self._stop:
+                outbox: list[tuple[asyncio.Queue, Event]] = []
+                self._drain_inbox(gen, live, by_id, outbox, eos, no_stop, block=not live)
+                if live and not self._stop:
+                    _, responses = gen.next()
+                    self._publish_step(gen, responses, live, by_id, outbox)
+                    if not live:
+                        # Batch drained: give freed buffers back (tests and operators
+                        # expect memory to return to its baseline between bursts).
+                        mx.clear_cache()
+                self._deliver(outbox)
+                self._step_boundary(bool(live))
+        finally:
+            held = mx.get_active_memory()
+            outbox = []
+            err = self._stop_error or Unavailable(f"model {self.model_id} stopped")
+            for item in list(live.values()):
+                outbox.append((item.sink, Failed(err)))
+            self._fail_pending_inserts(err, outbox)
+            self._deliver(outbox)
+            live.clear()
+            by_id.clear()
+            del gen
+            self.info = None
+            info = None  # noqa: F841 - drop the last reference before measuring
+            gc.collect()
+            mx.synchronize()
+            mx.clear_cache()
+            self.stats = EngineStats()
+            self.stopped.set_result(max(0, held - mx.get_active_memory()))
+
+    def _fail_pending_inserts(self, err: PlimsollError, outbox: list) -> None:
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Insert):
+                outbox.append((cmd.sink, Failed(err)))
+            elif isinstance(cmd, _Cancel):
+                cmd.done.set_result([])
+
+    def _drain_inbox(self, gen, live, by_id, outbox, eos, no_stop, block: bool) -> None:
+        timeout = IDLE_WAIT_S if block else None
+        while True:
+            try:
+                cmd = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            timeout = None
+            if cmd is None:
+                continue
+            if isinstance(cmd, _Insert):
+                self._insert(gen, cmd, live, by_id, eos, no_stop)
+            else:
+                self._cancel(gen, cmd, live, by_id, outbox)
+
+    def _insert(self, gen, cmd: _Insert, live, by_id, eos, no_stop) -> None:
+        req = cmd.request
+        self.stats.waiting_requests -= 1
+        tokens = req.prompt_tokens[cmd.cached_tokens :]
+        (uid,) = gen.insert(
+            [tokens],
+            max_tokens=[req.max_tokens],
+            caches=[cmd.cache] if cmd.cache is not None else None,
+            all_tokens=[req.prompt_tokens[: cmd.cached_tokens]],
+            samplers=[make_request_sampler(req.sampling)],
+            logits_processors=[make_request_processors(req.sampling)],
+            stop_sequences=[no_stop if req.ignore_eos else eos],
+        )
+        item = _Live(
+            request=req,
+            sink=cmd.sink,
+            uid=uid,
+            text=TextStream(self.info.tokenizer.detokenizer, req.stop),
+            cached_tokens=cmd.cached_tokens,
+            inserted_at=time.monotonic(),
+        )
+        live[uid] = item
+        by_id[req.request_id] = item
+        self._refresh_stats(live)
+
+    def _cancel(self, gen, cmd: _Cancel, live, by_id, outbox) -> None:
+        if cmd.request_ids is None:
+            targets = list(live.values())
+        else:
+            targets = [by_id[r] for r in cmd.request_ids if r in by_id]
+        if targets:
+            gen.remove([t.uid for t in targets])
+        for t in targets:
+            del live[t.uid]
+            del by_id[t.request.request_id]
+            if cmd.error is not None:
+                outbox.append((t.sink, Failed(cmd.error)))
+        self._refresh_stats(live)
+        cmd.done.set_result([t.request.request_id for t in targets])
+
+    def _publish_step(self, gen, responses, live, by_id, outbox) -> None:
+        now = time.monotonic()
+        eos_ids = self.info.tokenizer.eos_token_ids
+        finished: list[_Live] = []
+        text_stopped: list[int] = []  # still in the batch: BatchGenerator did not stop them
+        for r in responses:
+            item = live.get(r.uid)
+            if item is None:
+                continue
+            item.generated += 1
+            if item.first_token_at is None:
+                item.first_token_at = now
+            req = item.request
+            is_eos = r.finish_reason == "stop" and r.token in eos_ids and not req.ignore_eos
+            ids: list[int] = []
+            text = ""
+            stopped_by_text = False
+            if not is_eos:
+                ids.append(r.token)
+                delta = item.text.add(r.token)
+                text = delta.text
+                stopped_by_text = delta.stopped
+            reason = None
+            if stopped_by_text or r.finish_reason == "stop":
+                reason = FinishReason.STOP
+            elif r.finish_reason == "length":
+                reason = FinishReason.LENGTH
+            if stopped_by_text and r.finish_reason is None:
+                text_stopped.append(item.uid)
+            if reason is not None and not stopped_by_text:
+                text += item.text.finish()
+            if ids or text:
+                outbox.append((item.sink, Chunk(ids, text)))
+            if reason is not None:
+                outbox.append((item.sink, self._finished(item, reason, now)))
+                finished.append(item)
+                if self._on_finish is not None and r.prompt_cache is not None:
+                    self._on_finish(req, r.prompt_cache, r.all_tokens or [])
+        if finished:
+            if text_stopped:
+                gen.remove(text_stopped)
+            for f in finished:
+                live.pop(f.uid, None)
+                by_id.pop(f.request.request_id, None)
+        self._refresh_stats(live)
+
+    def _finished(self, item: _Live, reason: FinishReason, now: float) -> Finished:
+        first = item.first_token_at or now
+        return Finished(
+            reason=reason,
+            prompt_tokens=len(item.request.prompt_tokens),
+            cached_tokens=item.cached_tokens,
+            completion_tokens=item.generated,
+            queue_seconds=item.inserted_at - item.request.created_at,
+            ttft_seconds=first - item.request.created_at,
+            decode_seconds=now - first,
+        )
+
+    def _deliver(self, outbox: list[tuple[asyncio.Queue, Event]]) -> None:
+        # One hop to the event loop per step, however many requests it touched.
+        if outbox:
+            self._loop.call_soon_threadsafe(_put_all, outbox)
+
+    def _step_boundary(self, busy: bool) -> None:
+        if self._pressure_reclaim:
+            self._pressure_reclaim = False
+            mx.synchronize()
+            mx.clear_cache()
+        if self._idle_reclaim and not busy:
+            self._idle_reclaim = False
+            gc.collect()
+            mx.synchronize()
+            mx.clear_cache()
+        self._sample_memory()
+
+    def _sample_memory(self) -> None:
+        self.stats.mlx_active_bytes = mx.get_active_memory()
+        self.stats.mlx_pool_bytes = mx.get_cache_memory()
+        self.stats.sampled_at = time.monotonic()
+
+    def _refresh_stats(self, live: dict[int, _Live]) -> None:
+        items = list(live.values())
+        self.stats.active_requests = len(items)
+        self.stats.request_ids = tuple(i.request.request_id for i in items)
+        self.stats.request_started = tuple(i.request.created_at for i in items)
+
+
+def _put_all(outbox: list[tuple[asyncio.Queue, Event]]) -> None:
+    for sink, event in outbox:
+        sink.put_nowait(event)

@@ -1,0 +1,210 @@
+"""The `plimsoll` command: serve, generate, models, health.
+
+Errors print as one line on stderr with a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
+
+from engine.demo_models import DEMO_SIZES
+from engine.model_engine import EngineSettings
+from service.server import MiB, ServerConfig, serve
+from telemetry.setup import TelemetrySettings
+
+DEFAULT_PORT = 50051
+
+
+class CliError(Exception):
+    """A one-line error for the user."""
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1",
+                   help="server address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help="server port (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds before the call gives up (default: %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="plimsoll",
+        description="A memory-safe gRPC inference server for MLX language models.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="start the server",
+                       description="Start the gRPC server. With no --model it makes (once) "
+                       "and serves the embedded demo model.")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s; use 0.0.0.0 for all)")
+    s.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help="port to listen on; 0 picks a free one (default: %(default)s)")
+    s.add_argument("--model", action="append", default=[], metavar="SOURCE",
+                   help="a local mlx-lm model folder or a Hugging Face repository id; "
+                   "repeat to serve several (the first is the default model)")
+    s.add_argument("--demo-size", default="tiny", choices=sorted(DEMO_SIZES),
+                   help="demo model served when no --model is given (default: %(default)s)")
+    s.add_argument("--cache-dir", type=Path, default=None,
+                   help="where demo models are made (default: $PLIMSOLL_CACHE_DIR or "
+                   "~/.cache/plimsoll)")
+    s.add_argument("--max-num-seqs", type=int, default=32,
+                   help="most sequences decoded together per model (default: %(default)s)")
+    s.add_argument("--prefill-step-size", type=int, default=512,
+                   help="prompt tokens processed per step (default: %(default)s)")
+    s.add_argument("--max-queued-requests", type=int, default=256,
+                   help="most requests in flight before RESOURCE_EXHAUSTED "
+                   "(default: %(default)s)")
+    s.add_argument("--max-message-mb", type=int, default=64,
+                   help="largest gRPC message accepted or sent, in MiB (default: %(default)s)")
+    s.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight streams may finish "
+                   "(default: %(default)s)")
+    s.add_argument("--otlp-endpoint", default="",
+                   help="send traces and metrics over OTLP/gRPC to this endpoint "
+                   "(default: the OTEL_EXPORTER_OTLP_ENDPOINT variable; none: nothing leaves)")
+    s.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"],
+                   help="log verbosity (default: %(default)s)")
+
+    g = sub.add_parser("generate", help="stream a generation to the terminal",
+                       description="Send one Generate request and stream its text.")
+    _add_target(g)
+    g.add_argument("prompt", help="the prompt text")
+    g.add_argument("--model", default="", help="model id (default: the server's default)")
+    g.add_argument("--max-tokens", type=int, default=64,
+                   help="most tokens to generate (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature, 0 is greedy (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user chat message (chat template)")
+    g.add_argument("--session", default="", help="session id to reuse cached KV")
+
+    m = sub.add_parser("models", help="list the server's models",
+                       description="List models with their state and measured size.")
+    _add_target(m)
+
+    h = sub.add_parser("health", help="check the server's health",
+                       description="Call grpc.health.v1.Health/Check; exit 0 when SERVING.")
+    _add_target(h)
+    h.add_argument("--service", default="",
+                   help="service name to check (default: overall)")
+    return parser
+
+
+def _channel(args) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(f"{args.host}:{args.port}")
+
+
+def _describe(err: grpc.aio.AioRpcError, args) -> str:
+    if err.code() == grpc.StatusCode.UNAVAILABLE and "connect" in (err.details() or "").lower():
+        return f"cannot reach a server at {args.host}:{args.port}"
+    return f"{err.code().name}: {err.details()}"
+
+
+async def _generate(args) -> int:
+    req = inference_pb2.GenerateRequest(model=args.model, max_tokens=args.max_tokens)
+    if args.chat:
+        req.chat.messages.add(role="user", content=args.prompt)
+    else:
+        req.text = args.prompt
+    req.sampling.temperature = args.temperature
+    if args.seed is not None:
+        req.sampling.seed = args.seed
+    if args.session:
+        req.session_id = args.session
+    async with _channel(args) as ch:
+        stub = inference_pb2_grpc.InferenceServiceStub(ch)
+        async for msg in stub.Generate(req, timeout=args.timeout):
+            kind = msg.WhichOneof("event")
+            if kind == "chunk":
+                sys.stdout.write(msg.chunk.text)
+                sys.stdout.flush()
+            elif kind == "end":
+                u = msg.end.usage
+                t = msg.end.timings
+                sys.stdout.write("\n")
+                print(f"[{u.prompt_tokens} prompt + {u.completion_tokens} generated tokens, "
+                      f"ttft {t.time_to_first_token_seconds * 1000:.0f} ms, "
+                      f"{t.tokens_per_second:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+async def _models(args) -> int:
+    async with _channel(args) as ch:
+        resp = await control_pb2_grpc.ControlServiceStub(ch).ListModels(
+            control_pb2.ListModelsRequest(), timeout=args.timeout)
+    print(f"{'ID':<24} {'STATE':<10} {'MiB':>8} {'ACTIVE':>6} {'CONTEXT':>8}  SOURCE")
+    for m in resp.models:
+        state = control_pb2.ModelState.Name(m.state).removeprefix("MODEL_STATE_").lower()
+        mark = "*" if m.is_default else ""
+        print(f"{m.id + mark:<24} {state:<10} {m.measured_bytes / MiB:>8.1f} "
+              f"{m.active_requests:>6} {m.context_length:>8}  {m.source}")
+    return 0
+
+
+async def _health(args) -> int:
+    async with _channel(args) as ch:
+        resp = await health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(name)
+    return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _serve(args) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        models=args.model,
+        demo_size=args.demo_size,
+        cache_dir=args.cache_dir,
+        max_message_bytes=args.max_message_mb * MiB,
+        drain_grace_s=args.drain_seconds,
+        engine=EngineSettings(max_num_seqs=args.max_num_seqs,
+                              prefill_step_size=args.prefill_step_size),
+        telemetry=TelemetrySettings(otlp_endpoint=args.otlp_endpoint),
+    )
+    config.runtime.max_queued_requests = args.max_queued_requests
+    for name, value in (("--max-num-seqs", args.max_num_seqs),
+                        ("--prefill-step-size", args.prefill_step_size),
+                        ("--max-queued-requests", args.max_queued_requests),
+                        ("--max-message-mb", args.max_message_mb)):
+        if value <= 0:
+            raise CliError(f"{name} must be > 0, got {value}")
+    asyncio.run(serve(config))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        runner = {"generate": _generate, "models": _models, "health": _health}[args.command]
+        return asyncio.run(runner(args))
+    except grpc.aio.AioRpcError as err:
+        print(f"plimsoll: {_describe(err, args)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # noqa: BLE001 - one clear line, not a traceback
+        print(f"plimsoll: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

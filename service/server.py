@@ -1,0 +1,152 @@
+"""Server assembly: grpc.aio server, servicers, health, reflection, telemetry, draining."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from opentelemetry.instrumentation.grpc import aio_server_interceptor
+from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
+
+from engine.demo_models import ensure_demo_model
+from engine.model_engine import EngineSettings
+from engine.pool import ModelPool
+from service.control_servicer import ControlServicer
+from service.inference_servicer import InferenceServicer
+from service.runtime import Runtime, RuntimeSettings
+from telemetry.setup import TelemetrySettings, setup
+
+log = logging.getLogger(__name__)
+
+INFERENCE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+CONTROL = control_pb2.DESCRIPTOR.services_by_name["ControlService"].full_name
+MiB = 1024 * 1024
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    models: list[str] = field(default_factory=list)  # empty: the embedded demo model
+    demo_size: str = "tiny"
+    cache_dir: Path | None = None
+    max_message_bytes: int = 64 * MiB
+    drain_grace_s: float = 30.0
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        # Idle WatchPressure streams must live: ping idle clients every minute,
+        # and accept client keepalive pings down to every 10 s.
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+class PlimsollServer:
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.port = 0
+        self.health = HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self.runtime: Runtime | None = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> int:
+        setup(self.config.telemetry)
+        loop = asyncio.get_running_loop()
+        pool = ModelPool(loop, self.config.engine)
+        self.runtime = Runtime(pool, self.config.runtime)
+        pool.listeners.append(self._on_pool_change)
+        server = grpc.aio.server(
+            interceptors=[aio_server_interceptor()],
+            options=grpc_options(self.config.max_message_bytes),
+        )
+        inference_pb2_grpc.add_InferenceServiceServicer_to_server(
+            InferenceServicer(self.runtime), server
+        )
+        control_pb2_grpc.add_ControlServiceServicer_to_server(
+            ControlServicer(self.runtime), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (INFERENCE, CONTROL, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME),
+            server,
+        )
+        for name in ("", INFERENCE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set(CONTROL, health_pb2.HealthCheckResponse.SERVING)
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
+        await server.start()
+        self._server = server
+        log.info("listening on %s:%d", self.config.host, self.port)
+        return self.port
+
+    async def load_initial_models(self) -> None:
+        sources = list(self.config.models)
+        if not sources:
+            path = await asyncio.to_thread(
+                ensure_demo_model, self.config.demo_size, self.config.cache_dir
+            )
+            await self.runtime.pool.load(str(path), f"demo-{self.config.demo_size}", default=True)
+            return
+        for i, source in enumerate(sources):
+            await self.runtime.pool.load(source, default=(i == 0))
+
+    def _on_pool_change(self) -> None:
+        if self.runtime is None or self.runtime.draining:
+            return
+        state = (
+            health_pb2.HealthCheckResponse.SERVING
+            if self.runtime.pool.any_ready()
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", INFERENCE):
+            asyncio.ensure_future(self.health.set(name, state))
+
+    async def drain(self) -> None:
+        """Stop taking work, let in-flight streams finish (up to the grace), then exit."""
+        if self.runtime is None or self.runtime.draining:
+            return
+        log.info("draining: %d request(s) in flight", self.runtime.in_flight)
+        self.runtime.draining = True
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(self.config.drain_grace_s)
+        await self.runtime.pool.close()
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:
+    """Runs until SIGTERM or SIGINT, then drains."""
+    server = PlimsollServer(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
+    await server.start()
+    await server.load_initial_models()
+    log.info("ready: %s", ", ".join(e.model_id for e in server.runtime.pool.entries()))
+    if ready is not None:
+        ready.set()
+    await server.wait()
