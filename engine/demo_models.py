@@ -145,7 +145,7 @@ DEMO_SIZES: dict[str, DemoSpec] = {
         # Untied so greedy decoding does not just echo the input token.
         DemoSpec("tiny", 128, 2, 384, 4, 2, 1024, 4096, dtype="float32"),
         # ~67 MB
-        DemoSpec("small", 512, 8, 1536, 8, 4, 8192, 4096),
+        DemoSpec("small", 512, 8, 1536, 8, 4, 8192, 4096, dtype="bfloat16"),
         # ~320 MB
         DemoSpec("medium", 1024, 12, 2560, 16, 4, 16384, 4096),
         # ~1 GB
@@ -534,9 +534,11 @@ def _remove_leftovers(final: Path) -> None:
     """Under the lock no other maker of this model runs: clear what a crashed one left."""
     for stale in final.parent.glob(f".{final.name}.*.tmp"):
         shutil.rmtree(stale, ignore_errors=True)
-    if final.exists():
-        # At the final path but without the marker: not a finished model of ours.
-        shutil.rmtree(final) if final.is_dir() else final.unlink()
+    # At the final path but without the marker: not a finished model of ours.
+    if final.is_dir():
+        shutil.rmtree(final)
+    elif final.exists():
+        final.unlink()
 
 
 def _write_json(path: Path, obj: Any) -> None:

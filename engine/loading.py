@@ -19,6 +19,17 @@ from engine.demo_models import kv_bytes_per_token
 DEFAULT_CONTEXT = 4096
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the rest of the server may keep about a model; holds no MLX arrays."""
+
+    context_length: int
+    vocab_size: int
+    kv_bytes_per_token: int
+    weights_bytes: int
+    measured_bytes: int
+
+
 @dataclass
 class LoadedModel:
     model: Any
@@ -29,6 +40,10 @@ class LoadedModel:
     kv_bytes_per_token: int
     weights_bytes: int
     measured_bytes: int = 0
+
+    def facts(self) -> ModelFacts:
+        return ModelFacts(self.context_length, self.vocab_size, self.kv_bytes_per_token,
+                          self.weights_bytes, self.measured_bytes)
 
 
 def is_local(source: str) -> bool:

@@ -23,7 +23,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from engine.errors import Aborted, PlimsollError, Unavailable
-from engine.loading import LoadedModel, load_model
+from engine.loading import LoadedModel, ModelFacts, load_model
 from engine.request import (
     Chunk,
     Event,
@@ -112,7 +112,8 @@ class ModelEngine:
         self._thread = threading.Thread(
             target=self._run, name=f"engine-{model_id}", daemon=True
         )
-        self.loaded: concurrent.futures.Future[LoadedModel] = concurrent.futures.Future()
+        # Resolves to facts only: a future holding the model would keep it alive.
+        self.loaded: concurrent.futures.Future[ModelFacts] = concurrent.futures.Future()
         self.stopped: concurrent.futures.Future[int] = concurrent.futures.Future()
         self.stats = EngineStats()
         # GIL-atomic flags, consumed by the engine thread at the next step boundary.
@@ -124,7 +125,7 @@ class ModelEngine:
         self.info: LoadedModel | None = None
 
     # -- called from any thread -------------------------------------------------
-    def start(self) -> concurrent.futures.Future[LoadedModel]:
+    def start(self) -> concurrent.futures.Future[ModelFacts]:
         self._thread.start()
         return self.loaded
 
@@ -205,7 +206,7 @@ class ModelEngine:
             prefill_step_size=self.settings.prefill_step_size,
         )
         self._sample_memory()
-        self.loaded.set_result(info)
+        self.loaded.set_result(info.facts())
         live: dict[int, _Live] = {}
         by_id: dict[str, _Live] = {}
         try:
@@ -231,9 +232,9 @@ class ModelEngine:
             self._deliver(outbox)
             live.clear()
             by_id.clear()
-            del gen
+            del gen, eos, no_stop
             self.info = None
-            info = None  # noqa: F841 - drop the last reference before measuring
+            del info  # the last reference: the model's arrays go with it
             gc.collect()
             mx.synchronize()
             mx.clear_cache()

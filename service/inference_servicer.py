@@ -5,18 +5,20 @@ from __future__ import annotations
 import grpc
 from plimsoll.v1 import inference_pb2_grpc
 
-from engine.errors import PlimsollError
+from engine.errors import OutOfRange, PlimsollError
 from engine.request import Chunk, Finished
 from service import convert, status
 from service.runtime import Admitted, Runtime
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, max_message_bytes: int) -> None:
         self._runtime = runtime
+        self._max_message_bytes = max_message_bytes
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         try:
+            self._check_size(request)
             async for event in self._runtime.generate(convert.spec_from_wire(request)):
                 if isinstance(event, Chunk):
                     yield convert.chunk_to_wire(event)
@@ -26,3 +28,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     yield convert.end_to_wire(event)
         except PlimsollError as err:
             await status.abort(context, err)
+
+    def _check_size(self, request) -> None:
+        # The transport accepts up to twice this, so an oversized request gets a
+        # status naming the field rather than a bare transport error.
+        size = request.ByteSize()
+        if size > self._max_message_bytes:
+            field = {"text": "text", "token_ids": "token_ids.ids", "chat": "chat.messages"}
+            name = field.get(request.WhichOneof("prompt") or "", "request")
+            raise OutOfRange(
+                f"request is {size} bytes; the limit is {self._max_message_bytes} "
+                "(see --max-message-mb)",
+                name,
+            )

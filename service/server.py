@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from opentelemetry.instrumentation.grpc import aio_server_interceptor
+from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 from engine.demo_models import ensure_demo_model
@@ -74,11 +74,16 @@ class PlimsollServer:
         self.runtime = Runtime(pool, self.config.runtime)
         pool.listeners.append(self._on_pool_change)
         server = grpc.aio.server(
-            interceptors=[aio_server_interceptor()],
-            options=grpc_options(self.config.max_message_bytes),
+            # Health and reflection stay untraced: they are noise, and their aio
+            # servicers write to the context, which the tracing interceptor cannot wrap.
+            interceptors=[aio_server_interceptor(filter_=filters.negate(filters.any_of(
+                filters.service_prefix("grpc.health"),
+                filters.service_prefix("grpc.reflection"),
+            )))],
+            options=grpc_options(2 * self.config.max_message_bytes),
         )
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-            InferenceServicer(self.runtime), server
+            InferenceServicer(self.runtime, self.config.max_message_bytes), server
         )
         control_pb2_grpc.add_ControlServiceServicer_to_server(
             ControlServicer(self.runtime), server

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quiet:
         print(path)
     else:
-        how = "already made" if already else f"made in {elapsed:.1f} s"
+        how = "already made" if already else f"made (or waited for) in {elapsed:.1f} s"
         size = dir_size(path)
         print(f"{args.size}: {path} ({how})")
         print(f"size on disk: {size:,} bytes ({human(size)}); "
