@@ -13,10 +13,10 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 from engine.demo_models import DEMO_SIZES
 from engine.model_engine import EngineSettings
+from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from service.server import MiB, ServerConfig, serve
 from telemetry.setup import TelemetrySettings
 

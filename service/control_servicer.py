@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import grpc
-from plimsoll.v1 import control_pb2, control_pb2_grpc
 
 from engine.errors import InvalidArgument, PlimsollError
+from plimsoll.v1 import control_pb2, control_pb2_grpc
 from service import convert, status
 from service.runtime import Runtime
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from google.protobuf import timestamp_pb2
-from plimsoll.v1 import control_pb2, inference_pb2
 
 from engine.pool import ModelEntry, ModelState
 from engine.request import ChatMessage, Chunk, Finished, FinishReason, SamplingParams
+from plimsoll.v1 import control_pb2, inference_pb2
 from service.runtime import Admitted, GenerateSpec
 
 _FINISH = {

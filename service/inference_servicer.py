@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import grpc
-from plimsoll.v1 import inference_pb2_grpc
 
 from engine.errors import OutOfRange, PlimsollError
 from engine.request import Chunk, Finished
+from plimsoll.v1 import inference_pb2_grpc
 from service import convert, status
 from service.runtime import Admitted, Runtime
 

@@ -13,11 +13,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
-from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 from engine.demo_models import ensure_demo_model
 from engine.model_engine import EngineSettings
 from engine.pool import ModelPool
+from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from service.control_servicer import ControlServicer
 from service.inference_servicer import InferenceServicer
 from service.runtime import Runtime, RuntimeSettings

@@ -14,9 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from plimsoll.v1 import control_pb2_grpc, inference_pb2_grpc
 
 from engine.demo_models import ensure_demo_model
+from plimsoll.v1 import control_pb2_grpc, inference_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 

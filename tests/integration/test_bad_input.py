@@ -9,8 +9,8 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from plimsoll.v1 import inference_pb2, inference_pb2_grpc
 
+from plimsoll.v1 import inference_pb2, inference_pb2_grpc
 from tests.conftest import start_server
 
 BIG = 3000  # beyond nothing; the tiny model's context is 4096

@@ -9,6 +9,7 @@ import grpc
 import mlx_lm
 import pytest
 from mlx_lm.generate import stream_generate
+
 from plimsoll.v1 import control_pb2, inference_pb2
 
 

@@ -15,8 +15,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from plimsoll.v1 import inference_pb2, inference_pb2_grpc
 
+from plimsoll.v1 import inference_pb2, inference_pb2_grpc
 from service.server import CONTROL, INFERENCE, PlimsollServer, ServerConfig
 from telemetry import names
 from telemetry.setup import setup

@@ -1,0 +1,681 @@
+"""The enforcer's decisions, as pure functions and one pure tick state machine.
+
+Nothing here reads memory, a clock or MLX. `tick_plan` is a generator that the
+thin loop (`memory.enforcer`) drives:
+
+- it yields `Measure(reason)` and receives a fresh `Snapshot` (readings, engine
+  views, session-tier bytes);
+- it yields `Execute(actions)` and receives one `Outcome` per action;
+- it returns a `TickResult` (new `PolicyState`, level, limits, what was done).
+
+The tick re-measures after clearing auxiliary caches, after a session shrink
+and after evictions of models whose size is unknown, so a scripted list of
+snapshots drives it exactly the same way the real reader does.
+
+The ladder (seed facts, in order):
+
+1. At or above soft: clear auxiliary caches, re-measure.
+   Commit the level (hysteresis, emergency counter), pause/resume admission.
+2. Not ok: when the MLX pool exceeds the floor (2 GiB) or a session shrink just
+   freed references, ask every ready engine for a pressure reclaim. When not
+   in emergency and an engine accepted, defer enforcement (at most 5
+   consecutive polls per pressure episode; the counter resets at ok).
+3. Hard: shrink the session tier toward soft, protecting active entries; when
+   it freed anything ask for a pool reclaim (the freed references sit in the
+   pool), re-measure and re-grade (hard may drop to soft or ok), and defer if
+   grace remains.
+4. Relief toward the soft mark, with sizes predicted from measured model bytes:
+   pending unloads first, then idle non-pinned LRU models (at soft only while
+   more than one non-pinned model is loaded; at hard even the last one); at
+   hard, then the LRU busy non-pinned model (abort its requests, keep it loaded;
+   in emergency abort all and mark a pending unload); with nothing evictable,
+   flag in-progress loads to abort; with none, abort active requests on every
+   engine (emergency only) or ask every engine for an idle reclaim.
+5. Every tick, deferred and ok ones too: one store-cache cap step per engine.
+6. Transitions are actions, executed (published) where they are committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Generator, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from memory.actions import (
+    MEASURE_AFTER_AUX,
+    MEASURE_AFTER_EVICTION,
+    MEASURE_AFTER_RELIEF,
+    MEASURE_AFTER_SHRINK,
+    MEASURE_DISABLED,
+    MEASURE_POLL,
+    REASON_EMERGENCY_ALL,
+    REASON_EMERGENCY_BUSY,
+    REASON_HARD_BUSY,
+    REASON_HARD_LRU,
+    REASON_NO_EVICTABLE,
+    REASON_PENDING_UNLOAD,
+    REASON_POOL_RECLAIM,
+    REASON_SHRINK_RECLAIM,
+    REASON_SOFT_LRU,
+    AbortLoad,
+    AbortRequests,
+    Action,
+    AdjustStoreCacheCap,
+    ClearAuxCaches,
+    EvictModel,
+    IdleReclaim,
+    MarkPendingUnload,
+    Outcome,
+    PauseAdmission,
+    PressureReclaim,
+    ResumeAdmission,
+    ShrinkSessionCache,
+    Transition,
+)
+from memory.ceiling import Limits, compute_limits
+from memory.config import AbortOrder, MemoryConfig
+from memory.levels import PressureLevel
+from memory.readings import MemoryReadings
+from memory.views import EngineView, RequestView
+
+OK, SOFT, HARD, EMERGENCY = (
+    PressureLevel.OK,
+    PressureLevel.SOFT,
+    PressureLevel.HARD,
+    PressureLevel.EMERGENCY,
+)
+
+
+# ---------------------------------------------------------------------------
+# state and steps
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    """What the policy remembers between ticks."""
+
+    level: PressureLevel = OK  # last committed level (EMERGENCY included)
+    over_ceiling_polls: int = 0  # consecutive polls at or above the real ceiling
+    grace_polls: int = 0  # deferred polls in this pressure episode
+    shrink_freed_refs: bool = False  # a session shrink freed references not yet reclaimed
+    admission_paused: bool = False
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One measurement of everything the policy looks at."""
+
+    readings: MemoryReadings
+    engines: tuple[EngineView, ...] = ()
+    session_bytes: int | None = None  # None: no session tier
+
+
+@dataclass(frozen=True)
+class Measure:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Execute:
+    actions: tuple[Action, ...]
+
+
+Step = Measure | Execute
+
+
+@dataclass(frozen=True)
+class Assessment:
+    level: PressureLevel  # EMERGENCY when the emergency rule holds
+    base_level: PressureLevel  # OK / SOFT / HARD from the marks (with hysteresis)
+    emergency: bool
+    over_ceiling_polls: int
+    usage_bytes: int
+
+
+@dataclass(frozen=True)
+class TickResult:
+    state: PolicyState
+    level: PressureLevel
+    emergency: bool
+    readings: MemoryReadings
+    limits: Limits
+    engines: tuple[EngineView, ...]
+    session_bytes: int | None
+    deferred: bool
+    outcomes: tuple[Outcome, ...]
+    transitions: tuple[Transition, ...]
+    measurements: int
+
+    @property
+    def actions(self) -> tuple[Action, ...]:
+        return tuple(o.action for o in self.outcomes)
+
+    def actions_of(self, kind: type) -> list[Any]:
+        return [a for a in self.actions if isinstance(a, kind)]
+
+
+# ---------------------------------------------------------------------------
+# grading
+
+
+def raw_level(usage: int, limits: Limits) -> PressureLevel:
+    """ok below soft, soft in [soft, hard), hard at or above hard."""
+    if usage >= limits.hard_bytes:
+        return HARD
+    if usage >= limits.soft_bytes:
+        return SOFT
+    return OK
+
+
+def hysteresis_band_bytes(limits: Limits, fraction: float) -> int:
+    return int(limits.ceiling_bytes * fraction)
+
+
+def grade_level(
+    usage: int, limits: Limits, previous: PressureLevel, hysteresis_fraction: float
+) -> PressureLevel:
+    """The mark-based level with hysteresis.
+
+    Up is immediate. Down, each mark is crossed only once usage is below it by
+    the band (a share of the ceiling), so a reading hovering at a mark — or a
+    ceiling jittering with the page cache — does not flap the level.
+    """
+    raw = raw_level(usage, limits)
+    prev = min(previous, HARD)  # EMERGENCY sits on top of HARD
+    if raw >= prev:
+        return raw
+    band = hysteresis_band_bytes(limits, hysteresis_fraction)
+    level = prev
+    while level > raw:
+        mark = limits.hard_bytes if level == HARD else limits.soft_bytes
+        if usage >= mark - band:
+            break
+        level = PressureLevel(level - 1)
+    return level
+
+
+def is_emergency(
+    usage: int, ceiling: int, over_polls: int, margin_bytes: int, polls_needed: int
+) -> bool:
+    """At or above the real ceiling and either margin bytes over it or over for N polls."""
+    if usage < ceiling:
+        return False
+    return usage >= ceiling + margin_bytes or over_polls >= polls_needed
+
+
+def assess(
+    usage: int,
+    limits: Limits,
+    previous: PressureLevel,
+    over_ceiling_polls: int,
+    config: MemoryConfig,
+    *,
+    new_poll: bool,
+) -> Assessment:
+    """Grade usage. `new_poll` counts this measurement as a poll for the emergency counter;
+    a re-measurement inside the same tick does not count again (but still resets it)."""
+    if usage < limits.ceiling_bytes:
+        polls = 0
+    elif new_poll:
+        polls = over_ceiling_polls + 1
+    else:
+        polls = max(over_ceiling_polls, 1)
+    base = grade_level(usage, limits, previous, config.hysteresis_fraction)
+    emergency = is_emergency(
+        usage, limits.ceiling_bytes, polls, config.emergency_margin_bytes, config.emergency_polls
+    )
+    return Assessment(
+        level=EMERGENCY if emergency else base,
+        base_level=HARD if emergency else base,
+        emergency=emergency,
+        over_ceiling_polls=polls,
+        usage_bytes=usage,
+    )
+
+
+def commit(
+    state: PolicyState, assessment: Assessment, limits: Limits, reason: str, now: float
+) -> tuple[PolicyState, list[Action]]:
+    """Adopt an assessment: transition, admission pause/resume, episode counters."""
+    actions: list[Action] = []
+    paused = assessment.level != OK
+    admission = admission_action(assessment.level, state.admission_paused)
+    if admission is not None:
+        actions.append(admission)
+    if assessment.level != state.level:
+        actions.append(
+            Transition(
+                from_level=state.level,
+                to_level=assessment.level,
+                reason=reason,
+                usage_bytes=assessment.usage_bytes,
+                ceiling_bytes=limits.ceiling_bytes,
+                soft_bytes=limits.soft_bytes,
+                hard_bytes=limits.hard_bytes,
+                emergency=assessment.emergency,
+                at=now,
+            )
+        )
+    at_ok = assessment.level == OK
+    new_state = PolicyState(
+        level=assessment.level,
+        over_ceiling_polls=assessment.over_ceiling_polls,
+        grace_polls=0 if at_ok else state.grace_polls,  # a pressure episode ends at ok
+        shrink_freed_refs=False if at_ok else state.shrink_freed_refs,
+        admission_paused=paused,
+    )
+    return new_state, actions
+
+
+# ---------------------------------------------------------------------------
+# single decisions
+
+
+def pool_reclaim_wanted(readings: MemoryReadings, state: PolicyState, config: MemoryConfig) -> bool:
+    """The pool is worth draining: above the floor, or a shrink just freed references."""
+    if not config.pressure_reclaim:
+        return False
+    return readings.pool_bytes > config.pool_reclaim_floor_bytes or state.shrink_freed_refs
+
+
+def plan_pressure_reclaim(
+    engines: Iterable[EngineView], reason: str = REASON_POOL_RECLAIM
+) -> tuple[PressureReclaim, ...]:
+    """One pressure reclaim per ready engine (busy ones included: it runs under load)."""
+    return tuple(PressureReclaim(e.model_id, reason) for e in engines if e.ready)
+
+
+def may_defer(assessment: Assessment, state: PolicyState, config: MemoryConfig) -> bool:
+    """Deferral is for pressure that is not ok and not emergency, within the grace budget."""
+    return assessment.level in (SOFT, HARD) and state.grace_polls < config.reclaim_grace_polls
+
+
+def plan_session_shrink(
+    usage: int, limits: Limits, session_bytes: int | None
+) -> ShrinkSessionCache | None:
+    """Shrink the session tier by the excess over soft (never below zero)."""
+    if not session_bytes or session_bytes <= 0:
+        return None
+    excess = usage - limits.soft_bytes
+    if excess <= 0:
+        return None
+    return ShrinkSessionCache(target_bytes=max(0, session_bytes - excess), protect_active=True)
+
+
+def plan_cap_walk(
+    level: PressureLevel, engines: Iterable[EngineView]
+) -> tuple[AdjustStoreCacheCap, ...]:
+    return tuple(AdjustStoreCacheCap(e.model_id, level) for e in engines if e.ready)
+
+
+def select_requests(
+    requests: Sequence[RequestView],
+    order: AbortOrder,
+    deficit_bytes: int,
+    *,
+    stop_on_unknown: bool,
+) -> tuple[str, ...] | None:
+    """Which requests to abort; None means all of the engine's requests.
+
+    Graded orders take requests youngest-first or largest-first until their
+    byte estimates cover the deficit. An unknown estimate ends the batch when
+    `stop_on_unknown` (non-emergency: re-measure before ending more).
+    """
+    if order is AbortOrder.ALL or not requests:
+        return None
+    if order is AbortOrder.YOUNGEST:
+        ordered = sorted(requests, key=lambda r: (-r.started_at, r.request_id))
+    else:
+        ordered = sorted(
+            requests,
+            key=lambda r: (r.bytes_estimate is None, -(r.bytes_estimate or 0), r.request_id),
+        )
+    chosen: list[str] = []
+    covered = 0
+    for request in ordered:
+        chosen.append(request.request_id)
+        if request.bytes_estimate is None:
+            if stop_on_unknown:
+                break
+            continue
+        covered += request.bytes_estimate
+        if covered >= deficit_bytes:
+            break
+    return tuple(chosen)
+
+
+# ---------------------------------------------------------------------------
+# relief toward the soft mark
+
+
+@dataclass(frozen=True)
+class ReliefMemo:
+    """What this tick has already done, so a re-plan never repeats it."""
+
+    evicted: frozenset[str] = frozenset()
+    aborted: frozenset[str] = frozenset()
+    loads_flagged: frozenset[str] = frozenset()
+
+    def after(self, actions: Iterable[Action]) -> ReliefMemo:
+        evicted, aborted, flagged = set(self.evicted), set(self.aborted), set(self.loads_flagged)
+        for action in actions:
+            if isinstance(action, EvictModel):
+                evicted.add(action.model_id)
+            elif isinstance(action, AbortRequests):
+                aborted.add(action.model_id)
+            elif isinstance(action, AbortLoad):
+                flagged.add(action.model_id)
+        return ReliefMemo(frozenset(evicted), frozenset(aborted), frozenset(flagged))
+
+
+@dataclass(frozen=True)
+class ReliefPlan:
+    actions: tuple[Action, ...]
+    predicted_usage: int
+    # False: re-measure and plan again, with usage = min(fresh, predicted) — after
+    # an eviction of unknown size, or before escalating past evictions at hard.
+    complete: bool
+
+
+def _idle_victims(engines: Sequence[EngineView], memo: ReliefMemo) -> list[EngineView]:
+    """Idle, ready, non-pinned models: pending unloads first, then least recently used."""
+    candidates = [
+        e
+        for e in engines
+        if e.ready and not e.pinned and not e.busy and e.model_id not in memo.evicted
+    ]
+    return sorted(candidates, key=lambda e: (not e.pending_unload, e.last_used, e.model_id))
+
+
+def _busy_victim(engines: Sequence[EngineView], memo: ReliefMemo) -> EngineView | None:
+    """The least recently used busy non-pinned model not already handled."""
+    candidates = [
+        e
+        for e in engines
+        if e.ready
+        and not e.pinned
+        and e.busy
+        and not e.pending_unload
+        and e.model_id not in memo.evicted
+        and e.model_id not in memo.aborted
+    ]
+    return min(candidates, key=lambda e: (e.last_used, e.model_id), default=None)
+
+
+def plan_relief(
+    usage: int,
+    limits: Limits,
+    assessment: Assessment,
+    engines: Sequence[EngineView],
+    config: MemoryConfig,
+    memo: ReliefMemo = ReliefMemo(),
+) -> ReliefPlan:
+    """The eviction/abort ladder for one measurement, predicting freed bytes.
+
+    Evicts while predicted usage is above the soft mark (the target is always
+    soft, so the level does not oscillate at a boundary).
+    """
+    level = assessment.base_level
+    emergency = assessment.emergency
+    soft = limits.soft_bytes
+    predicted = usage
+    actions: list[Action] = []
+    live = [e for e in engines if e.model_id not in memo.evicted]
+    non_pinned_loaded = sum(1 for e in live if e.ready and not e.pinned)
+
+    def plan(complete: bool = True) -> ReliefPlan:
+        return ReliefPlan(tuple(actions), predicted, complete)
+
+    # Pending unloads and idle LRU models.
+    for victim in _idle_victims(live, memo):
+        if predicted <= soft:
+            return plan()
+        if not victim.pending_unload and level < HARD and non_pinned_loaded <= 1:
+            break  # soft: the last non-pinned model stays loaded
+        if victim.pending_unload:
+            reason = REASON_PENDING_UNLOAD
+        else:
+            reason = REASON_HARD_LRU if level >= HARD else REASON_SOFT_LRU
+        actions.append(EvictModel(victim.model_id, reason, True, victim.measured_bytes))
+        non_pinned_loaded -= 1
+        if victim.measured_bytes is None:
+            return plan(complete=False)  # unknown size: re-measure before going on
+        predicted -= victim.measured_bytes
+
+    if predicted <= soft or level < HARD:
+        return plan()  # soft with nothing evictable: the admission pause is all
+    if actions:
+        # Evictions did not cover the deficit by prediction: re-measure before
+        # anything more destructive (aborts), rather than trust the prediction.
+        return plan(complete=False)
+
+    # Hard: the busy LRU non-pinned model. (No eviction is planned past this point.)
+    busy = _busy_victim(live, memo)
+    if busy is not None:
+        if emergency:
+            actions.append(AbortRequests(busy.model_id, None, REASON_EMERGENCY_BUSY, False))
+            actions.append(MarkPendingUnload(busy.model_id, REASON_EMERGENCY_BUSY))
+        else:
+            ids = select_requests(
+                busy.requests, config.abort_order, predicted - soft, stop_on_unknown=True
+            )
+            actions.append(AbortRequests(busy.model_id, ids, REASON_HARD_BUSY, True))
+        return plan()
+
+    # Nothing evictable: in-progress loads first.
+    loading = [e for e in live if e.loading and e.model_id not in memo.loads_flagged]
+    if loading:
+        actions.extend(AbortLoad(e.model_id) for e in loading)
+        return plan()
+
+    # All pinned (or nothing loaded).
+    if emergency and predicted >= limits.ceiling_bytes:
+        actions.extend(_emergency_aborts(live, predicted - soft, config, memo))
+    else:
+        actions.extend(IdleReclaim(e.model_id, REASON_NO_EVICTABLE) for e in live if e.ready)
+    return plan()
+
+
+def _emergency_aborts(
+    engines: Sequence[EngineView], deficit: int, config: MemoryConfig, memo: ReliefMemo
+) -> list[Action]:
+    """Emergency with everything pinned: abort active requests on every engine (models stay).
+
+    Graded orders pick youngest/largest requests across all engines; unknown
+    estimates do not stop the batch here (emergency errs on the side of safety).
+    """
+    busy = [e for e in engines if e.ready and e.busy and e.model_id not in memo.aborted]
+    if config.abort_order is AbortOrder.ALL or any(not e.requests for e in busy):
+        return [AbortRequests(e.model_id, None, REASON_EMERGENCY_ALL, True) for e in busy]
+    owner = {r.request_id: e.model_id for e in busy for r in e.requests}
+    pooled = [r for e in busy for r in e.requests]
+    chosen = select_requests(pooled, config.abort_order, deficit, stop_on_unknown=False) or ()
+    actions: list[Action] = []
+    for engine in busy:
+        ids = tuple(i for i in chosen if owner[i] == engine.model_id)
+        if ids:
+            actions.append(AbortRequests(engine.model_id, ids, REASON_EMERGENCY_ALL, True))
+    return actions
+
+
+def admission_action(level: PressureLevel, paused: bool) -> Action | None:
+    """New admissions pause whenever the level is not ok, and resume at ok."""
+    if level != OK and not paused:
+        return PauseAdmission(level)
+    if level == OK and paused:
+        return ResumeAdmission(level)
+    return None
+
+
+# ---------------------------------------------------------------------------
+# the tick
+
+
+@dataclass
+class _Tick:
+    """Mutable bookkeeping for one run of `tick_plan` (local to the generator)."""
+
+    state: PolicyState
+    config: MemoryConfig
+    now: float
+    snap: Snapshot
+    limits: Limits
+    outcomes: list[Outcome] = field(default_factory=list)
+    transitions: list[Transition] = field(default_factory=list)
+    measurements: int = 1
+    evicted: frozenset[str] = frozenset()
+
+    @property
+    def usage(self) -> int:
+        return self.snap.readings.process_bytes
+
+    def observe(self, snap: Snapshot) -> None:
+        self.snap = snap
+        self.limits = compute_limits(snap.readings, self.config)
+        self.measurements += 1
+
+    def assess(self, *, new_poll: bool = False) -> Assessment:
+        return assess(
+            self.usage,
+            self.limits,
+            self.state.level,
+            self.state.over_ceiling_polls,
+            self.config,
+            new_poll=new_poll,
+        )
+
+
+def _execute(tick: _Tick, actions: Sequence[Action]) -> Generator[Step, Any, list[Outcome]]:
+    if not actions:
+        return []
+    outcomes: list[Outcome] = list((yield Execute(tuple(actions))))
+    tick.outcomes.extend(outcomes)
+    tick.transitions.extend(a for a in actions if isinstance(a, Transition))
+    return outcomes
+
+
+def _commit(tick: _Tick, assessment: Assessment, reason: str) -> Generator[Step, Any, None]:
+    tick.state, actions = commit(tick.state, assessment, tick.limits, reason, tick.now)
+    yield from _execute(tick, actions)
+
+
+def _measure(tick: _Tick, reason: str) -> Generator[Step, Any, None]:
+    tick.observe((yield Measure(reason)))
+
+
+def tick_plan(
+    state: PolicyState, config: MemoryConfig, now: float
+) -> Generator[Step, Any, TickResult]:
+    """One enforcer tick as a state machine (see the module docstring)."""
+    first: Snapshot = yield Measure(MEASURE_POLL)
+    tick = _Tick(state, config, now, first, compute_limits(first.readings, config))
+    deferred = False
+
+    if not config.enabled:
+        # Measured and reported, never enforced; caps recover toward max_num_seqs.
+        ok = Assessment(OK, OK, False, 0, tick.usage)
+        yield from _commit(tick, ok, MEASURE_DISABLED)
+        yield from _execute(tick, plan_cap_walk(OK, tick.snap.engines))
+        return _result(tick, ok, deferred)
+
+    a = tick.assess(new_poll=True)
+    if a.level >= SOFT:
+        # Cheap auxiliary caches go before any pause or eviction; then re-measure.
+        yield from _execute(tick, [ClearAuxCaches()])
+        polls = a.over_ceiling_polls
+        yield from _measure(tick, MEASURE_AFTER_AUX)
+        a = assess(tick.usage, tick.limits, tick.state.level, polls, config, new_poll=False)
+    yield from _commit(tick, a, MEASURE_POLL)  # the aux clear is part of the poll
+
+    # Drain the reclaimable pool before anything destructive.
+    if a.level != OK and pool_reclaim_wanted(tick.snap.readings, tick.state, config):
+        outcomes = yield from _execute(tick, plan_pressure_reclaim(tick.snap.engines))
+        accepted = any(o.accepted for o in outcomes)
+        if accepted:
+            tick.state = dataclasses.replace(tick.state, shrink_freed_refs=False)
+        if accepted and not a.emergency and may_defer(a, tick.state, config):
+            tick.state = dataclasses.replace(tick.state, grace_polls=tick.state.grace_polls + 1)
+            deferred = True
+
+    if not deferred and a.base_level >= HARD:
+        shrink = plan_session_shrink(tick.usage, tick.limits, tick.snap.session_bytes)
+        if shrink is not None:
+            (result,) = yield from _execute(tick, [shrink])
+            if result.ok and ((result.entries or 0) > 0 or (result.bytes_freed or 0) > 0):
+                a, deferred = yield from _after_shrink(tick)
+
+    if not deferred and a.level >= SOFT:
+        a = yield from _relieve(tick, a)
+
+    yield from _execute(tick, plan_cap_walk(tick.state.level, _remaining(tick)))
+    return _result(tick, a, deferred)
+
+
+def _after_shrink(tick: _Tick) -> Generator[Step, Any, tuple[Assessment, bool]]:
+    """Freed session references land in the MLX pool: reclaim, re-measure, maybe defer."""
+    accepted = False
+    if tick.config.pressure_reclaim:
+        reclaims = plan_pressure_reclaim(tick.snap.engines, REASON_SHRINK_RECLAIM)
+        outcomes = yield from _execute(tick, reclaims)
+        accepted = any(o.accepted for o in outcomes)
+    yield from _measure(tick, MEASURE_AFTER_SHRINK)
+    a = tick.assess()
+    yield from _commit(tick, a, MEASURE_AFTER_SHRINK)
+    # Not accepted yet: remember, so the next tick asks again even with a small pool.
+    tick.state = dataclasses.replace(
+        tick.state,
+        shrink_freed_refs=tick.config.pressure_reclaim and not accepted and a.level != OK,
+    )
+    if accepted and not a.emergency and may_defer(a, tick.state, tick.config):
+        tick.state = dataclasses.replace(tick.state, grace_polls=tick.state.grace_polls + 1)
+        return a, True
+    return a, False
+
+
+def _relieve(tick: _Tick, a: Assessment) -> Generator[Step, Any, Assessment]:
+    memo = ReliefMemo()
+    evicted_any = False
+    usage = tick.usage
+    for _round in range(len(tick.snap.engines) + 2):
+        plan = plan_relief(usage, tick.limits, a, tick.snap.engines, tick.config, memo)
+        yield from _execute(tick, plan.actions)
+        memo = memo.after(plan.actions)
+        evicted_any = evicted_any or any(isinstance(x, EvictModel) for x in plan.actions)
+        if plan.complete:
+            break
+        yield from _measure(tick, MEASURE_AFTER_EVICTION)
+        a = tick.assess()
+        yield from _commit(tick, a, MEASURE_AFTER_EVICTION)
+        evicted_any = False  # this measurement already saw the evictions so far
+        if a.level == OK:
+            break
+        # A reading that lags an unload must not evict a second model for the
+        # same bytes; a reading lower than predicted is believed.
+        usage = min(tick.usage, plan.predicted_usage)
+    tick.evicted = memo.evicted
+    if evicted_any:
+        yield from _measure(tick, MEASURE_AFTER_RELIEF)
+        a = tick.assess()
+        yield from _commit(tick, a, MEASURE_AFTER_RELIEF)
+    return a
+
+
+def _remaining(tick: _Tick) -> list[EngineView]:
+    return [e for e in tick.snap.engines if e.model_id not in tick.evicted]
+
+
+def _result(tick: _Tick, a: Assessment, deferred: bool) -> TickResult:
+    return TickResult(
+        state=tick.state,
+        level=tick.state.level,
+        emergency=a.emergency,
+        readings=tick.snap.readings,
+        limits=tick.limits,
+        engines=tick.snap.engines,
+        session_bytes=tick.snap.session_bytes,
+        deferred=deferred,
+        outcomes=tuple(tick.outcomes),
+        transitions=tuple(tick.transitions),
+        measurements=tick.measurements,
+    )

@@ -1,0 +1,50 @@
+"""What the policy sees of each engine: frozen snapshots, no handles, no MLX."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class EngineState(enum.StrEnum):
+    LOADING = "loading"
+    READY = "ready"
+    UNLOADING = "unloading"
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """One in-flight request, for graded aborts (youngest or largest first)."""
+
+    request_id: str
+    started_at: float  # monotonic seconds
+    bytes_estimate: int | None = None  # KV + transient it holds; None when unknown
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """One model's engine as the enforcer sees it at a measurement."""
+
+    model_id: str
+    state: EngineState = EngineState.READY
+    pinned: bool = False
+    # None: the engine cannot report (treated as busy, like oMLX).
+    active_requests: int | None = 0
+    requests: tuple[RequestView, ...] = ()
+    last_used: float = 0.0  # monotonic seconds; the LRU key
+    measured_bytes: int | None = None  # measured after load; predicts what an unload frees
+    pending_unload: bool = False
+    store_cache_cap: int = 1
+    max_num_seqs: int = 1
+
+    @property
+    def busy(self) -> bool:
+        return self.active_requests is None or self.active_requests > 0
+
+    @property
+    def ready(self) -> bool:
+        return self.state is EngineState.READY
+
+    @property
+    def loading(self) -> bool:
+        return self.state is EngineState.LOADING

@@ -1,0 +1,84 @@
+"""Adaptive prefill chunk sizing and the per-token cost model."""
+
+from __future__ import annotations
+
+import pytest
+
+from memory.chunking import (
+    PrefillCostModel,
+    plan_chunk,
+    prefill_target_bytes,
+    should_abort_before_chunk,
+)
+from memory.levels import GIB, MIB, Tier
+
+
+def test_cost_model_ewma_with_the_static_estimate_as_floor():
+    model = PrefillCostModel(static_bytes_per_token=1000)
+    assert model.bytes_per_token == 1000 and model.samples == 0
+    model = model.observe(100, 200_000)  # 2000 B/token: the first sample seeds the EWMA
+    assert model.ewma_bytes_per_token == 2000 and model.bytes_per_token == 2000
+    model = model.observe(100, 0)  # alpha 0.3: 0.3 * 0 + 0.7 * 2000
+    assert model.ewma_bytes_per_token == pytest.approx(1400)
+    for _ in range(20):
+        model = model.observe(100, 0)
+    assert model.bytes_per_token == 1000  # never below the static estimate
+    assert model.samples == 22
+
+
+def test_cost_model_ignores_empty_chunks_and_clamps_negative_deltas():
+    model = PrefillCostModel(static_bytes_per_token=10)
+    assert model.observe(0, 10**9) is model
+    assert model.observe(10, -5000).ewma_bytes_per_token == 0.0
+    with pytest.raises(ValueError):
+        PrefillCostModel(static_bytes_per_token=-1)
+    with pytest.raises(ValueError):
+        PrefillCostModel(static_bytes_per_token=1, alpha=0)
+
+
+def test_chunk_shrinks_as_usage_nears_the_tier_fraction_of_the_abort_cap():
+    cap, bpt = 10 * GIB, MIB
+    target = prefill_target_bytes(Tier.BALANCED, cap)  # 0.92 x 10 GiB
+    sizes = [
+        plan_chunk(
+            tier=Tier.BALANCED,
+            abort_cap_bytes=cap,
+            usage_bytes=target - free * MIB,
+            bytes_per_token=bpt,
+            remaining_tokens=100_000,
+        )
+        for free in (5000, 2048, 1000, 500, 100, 10, 0)
+    ]
+    assert sizes == [2048, 2048, 1000, 500, 100, 32, 32]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_chunk_clamps_to_remaining_min_and_max():
+    kw = dict(tier=Tier.SAFE, abort_cap_bytes=10 * GIB, usage_bytes=0, bytes_per_token=MIB)
+    assert plan_chunk(remaining_tokens=0, **kw) == 0
+    assert plan_chunk(remaining_tokens=7, **kw) == 7
+    assert plan_chunk(remaining_tokens=10_000, max_chunk=512, **kw) == 512
+    kw["usage_bytes"] = 20 * GIB
+    assert plan_chunk(remaining_tokens=10_000, min_chunk=64, **kw) == 64
+    kw["bytes_per_token"] = 0
+    assert plan_chunk(remaining_tokens=10_000, **kw) == 2048
+
+
+def test_pre_chunk_abort_uses_the_margin_not_the_chunk_fraction():
+    cap = 100 * GIB
+    # Balanced: chunks aim at 0.92, the abort line is 0.93.
+    at_target = prefill_target_bytes(Tier.BALANCED, cap)
+    assert not should_abort_before_chunk(
+        tier=Tier.BALANCED,
+        abort_cap_bytes=cap,
+        usage_bytes=at_target,
+        chunk_tokens=1024,
+        bytes_per_token=MIB,
+    )
+    assert should_abort_before_chunk(
+        tier=Tier.BALANCED,
+        abort_cap_bytes=cap,
+        usage_bytes=int(cap * 0.93),
+        chunk_tokens=1,
+        bytes_per_token=1,
+    )
