@@ -1,0 +1,842 @@
+"""SessionBank: KV-cache snapshots keyed by (model, exact token prefix).
+
+Pure policy over opaque payloads. The engine thread computes a snapshot (an
+mlx-lm prompt-cache list) and its byte count and hands both to `put`; the bank
+never calls MLX. Evicting an entry only drops the bank's references (and hands
+the entry to `on_evict`); the engine clears the MLX buffer pool later.
+
+Vocabulary
+- An entry is the cache state after prefilling exactly `tokens`.
+- A lineage is (model, session_id); every `session_id=None` entry of a model
+  belongs to one anonymous lineage. A lineage's *terminal* entry is its longest
+  prefix (computed, never stored); the others are *non-terminal* (siblings and
+  forks the conversation moved past).
+- A session is *active* when `active_sessions()` names it: the server's real
+  in-flight set plus pinned sessions, not a time stamp (MTPLX's TTL stamp left
+  idle sessions unreleasable).
+- Restore rule: a prompt restores from the longest cached key that is a
+  *strict* prefix of it. At least one prompt token must still be prefilled to
+  produce the logits the first sampled token needs, so an entry equal to the
+  whole prompt is not a restore source (a trimmable cache could be cut back by
+  one token, but not every cache type is trimmable).
+
+Threading: the engine thread calls put/lookup while the enforcer's thread calls
+shrink/expire; one re-entrant lock serialises them. `on_evict` runs after the
+lock is released, so it may call back into the bank.
+
+The clock must be monotonic; the bank also clamps it so it never runs backwards,
+which keeps its recency order equal to `last_access` order.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import metrics, trace
+
+import telemetry
+from telemetry import names
+
+from .trie import TokenTrie
+
+Tokens = tuple[int, ...]
+EntryKey = tuple[str, Tokens]  # (model, tokens)
+Lineage = tuple[str, "str | None"]  # (model, session_id)
+
+_log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+DEFAULT_MAX_BYTES = 24 * GiB
+DEFAULT_PER_SESSION_MAX_BYTES = 8 * GiB
+DEFAULT_MAX_ENTRIES = 24
+DEFAULT_PER_SESSION_MAX_ENTRIES = 3
+DEFAULT_IDLE_TTL_S = 3600.0
+
+# Eviction reasons (span/metric attribute values).
+REASON_MEMORY_PRESSURE = "memory_pressure"
+REASON_ADMISSION_CHAIN = "prefill_admission_chain"
+REASON_PREFILL_ADMISSION = "prefill_admission"
+REASON_DYNAMIC_CEILING = "dynamic_ceiling"
+REASON_SUPERSEDED = "superseded"
+REASON_REPLACED = "replaced"
+REASON_SESSION_RETENTION = "session_retention"
+REASON_CAP_BYTES = "cap_bytes"
+REASON_CAP_SESSION_BYTES = "cap_session_bytes"
+REASON_CAP_ENTRIES = "cap_entries"
+REASON_IDLE_TTL = "idle_ttl"
+REASON_DROPPED = "dropped"
+REASON_REMOVED = "removed"
+
+# Why `put` refused an entry.
+REFUSED_EXCEEDS_MAX_BYTES = "exceeds_max_bytes"
+REFUSED_EXCEEDS_SESSION_BYTES = "exceeds_per_session_bytes"
+REFUSED_NO_ENTRIES_ALLOWED = "max_entries_zero"
+
+OnEvict = Callable[[Sequence["SessionEntry"], str], None]
+
+
+@dataclass(eq=False)
+class SessionEntry:
+    """One KV snapshot. `nbytes` is what the entry holds, live references included.
+
+    `live_ref` marks an entry whose payload is (or shares) the live cache of a
+    running request rather than a private copy; its bytes still count in full
+    (honest accounting), but while its session is active dropping it frees
+    nothing, so `shrink_for_admission` skips it.
+    """
+
+    model: str
+    tokens: Tokens
+    session_id: str | None
+    payload: Any
+    nbytes: int
+    live_ref: bool = False
+    created_at: float = 0.0
+    last_access: float = 0.0
+    hits: int = 0
+
+    def __post_init__(self) -> None:
+        self.tokens = tuple(self.tokens)
+        if not self.tokens:
+            raise ValueError("a SessionEntry needs at least one token")
+        if self.nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {self.nbytes}")
+
+    @property
+    def key(self) -> EntryKey:
+        return (self.model, self.tokens)
+
+    @property
+    def prefix_len(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def lineage(self) -> Lineage:
+        return (self.model, self.session_id)
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What `put` did. Evicted entries go to `on_evict`, not here (no payload refs)."""
+
+    stored: bool
+    refused_reason: str | None = None
+    replaced: int = 0
+    superseded: int = 0
+    evicted: int = 0
+    freed_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class ShrinkPlan:
+    """The victims a shrink would take, in order, without taking them."""
+
+    target_bytes: int
+    bytes_before: int
+    bytes_after: int
+    victims: tuple[EntryKey, ...] = ()
+    non_terminal: int = 0  # shrink_for_admission phase 1
+    terminal: int = 0  # shrink_for_admission phase 2
+    protected_keys: int = 0
+
+    @property
+    def freed_bytes(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+    @property
+    def entries(self) -> int:
+        return len(self.victims)
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    model: str
+    session_id: str | None
+    prefix_tokens: int
+    nbytes: int
+    terminal: bool
+    hits: int
+    created_at: float
+    last_access: float
+    live_ref: bool
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """One session (None: the anonymous entries) and its entries, newest first."""
+
+    session_id: str | None
+    entries: tuple[EntryInfo, ...]
+    nbytes: int
+    active: bool
+
+
+@dataclass(frozen=True)
+class BankStats:
+    total_bytes: int
+    entries: int
+    sessions: int
+    hits: int
+    misses: int
+    evictions: dict[str, int] = field(default_factory=dict)
+
+
+# -- telemetry -------------------------------------------------------------
+
+class _Instruments:
+    """The bank's instruments on one meter; the gauges observe every live bank using it."""
+
+    def __init__(self, meter: metrics.Meter) -> None:
+        self.banks: weakref.WeakSet[SessionBank] = weakref.WeakSet()
+        meter.create_observable_gauge(
+            names.METRIC_BANK_BYTES, [self._observe_bytes], unit="By",
+            description="Bytes held by the session bank, live references included",
+        )
+        meter.create_observable_gauge(
+            names.METRIC_BANK_ENTRIES, [self._observe_entries],
+            description="Entries in the session bank",
+        )
+        self.hits = meter.create_counter(names.METRIC_BANK_HITS, description="Session bank hits")
+        self.misses = meter.create_counter(names.METRIC_BANK_MISSES,
+                                           description="Session bank misses")
+        self.evictions = meter.create_counter(names.METRIC_EVICTIONS,
+                                              description="Evictions by reason")
+
+    def _observe_bytes(self, _options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        yield metrics.Observation(sum(b.total_bytes() for b in list(self.banks)))
+
+    def _observe_entries(self, _options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
+        yield metrics.Observation(sum(b.entry_count() for b in list(self.banks)))
+
+
+_INSTRUMENTS: dict[metrics.Meter | None, _Instruments] = {}  # None: telemetry.meter()
+_instruments_lock = threading.Lock()
+
+
+def _instruments_for(meter: metrics.Meter | None) -> _Instruments:
+    """Instruments are created once per meter (once per process for the default)."""
+    with _instruments_lock:
+        inst = _INSTRUMENTS.get(meter)
+        if inst is None:
+            inst = _INSTRUMENTS[meter] = _Instruments(meter or telemetry.meter())
+        return inst
+
+
+# -- ordering helpers ------------------------------------------------------
+
+
+def _lru_groups(entries: Iterable[SessionEntry]) -> Iterator[SessionEntry]:
+    """Entries given in last_access order, yielded by (last_access, -nbytes, created_at).
+
+    Only ties on last_access need re-sorting: larger first, then older.
+    """
+    group: list[SessionEntry] = []
+    for e in entries:
+        if group and e.last_access != group[0].last_access:
+            yield from sorted(group, key=lambda x: (-x.nbytes, x.created_at))
+            group = []
+        group.append(e)
+    yield from sorted(group, key=lambda x: (-x.nbytes, x.created_at))
+
+
+def _keyset(keys: Iterable[tuple[str, Sequence[int]]]) -> set[EntryKey]:
+    """(model, tokens) pairs as hashable keys, whatever sequence type the tokens came in."""
+    return {(model, tuple(tokens)) for model, tokens in keys}
+
+
+def _take_until(order: Iterator[SessionEntry], excess: int) -> list[SessionEntry]:
+    """Victims from `order` until at least `excess` bytes are covered."""
+    victims: list[SessionEntry] = []
+    freed = 0
+    for e in order:
+        if freed >= excess:
+            break
+        victims.append(e)
+        freed += e.nbytes
+    return victims
+
+
+class SessionBank:
+    """KV snapshots per (model, token prefix), with trie lookup and shrink policies."""
+
+    def __init__(
+        self,
+        *,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        per_session_max_bytes: int = DEFAULT_PER_SESSION_MAX_BYTES,
+        max_entries: int = DEFAULT_MAX_ENTRIES,
+        per_session_max_entries: int = DEFAULT_PER_SESSION_MAX_ENTRIES,
+        idle_ttl_s: float | None = DEFAULT_IDLE_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+        active_sessions: Callable[[], Collection[str]] | None = None,
+        on_evict: OnEvict | None = None,
+        supersede_anonymous: bool = False,
+        tracer: trace.Tracer | None = None,
+        meter: metrics.Meter | None = None,
+    ) -> None:
+        self.max_bytes = max_bytes
+        self.per_session_max_bytes = per_session_max_bytes
+        self.max_entries = max_entries
+        self.per_session_max_entries = per_session_max_entries
+        self.idle_ttl_s = idle_ttl_s
+        # Anonymous entries are a shared prefix cache: by default a longer one
+        # does not supersede a shorter one (another prompt may fork from it).
+        self.supersede_anonymous = supersede_anonymous
+        self._clock = clock
+        self._active_fn = active_sessions or (lambda: ())
+        self._on_evict = on_evict
+        self._tracer = tracer
+        self._lock = threading.RLock()
+        self._entries: OrderedDict[EntryKey, SessionEntry] = OrderedDict()  # oldest first
+        self._tries: dict[str, TokenTrie[SessionEntry]] = {}
+        self._lineages: dict[Lineage, set[EntryKey]] = {}
+        self._sessions: dict[str, set[EntryKey]] = {}
+        self._session_bytes: dict[str, int] = {}
+        self._total = 0
+        self._hits = 0
+        self._misses = 0
+        self._evictions: Counter[str] = Counter()
+        self._last_now = float("-inf")
+        self._dynamic_ceiling: int | None = None
+        self._metrics = _instruments_for(meter)
+        self._metrics.banks.add(self)
+
+    # -- read-only views ---------------------------------------------------
+
+    def total_bytes(self) -> int:
+        """Bytes held now, live references included (O(1))."""
+        return self._total
+
+    def entry_count(self) -> int:
+        return len(self._entries)
+
+    @property
+    def effective_max_bytes(self) -> int:
+        """min(max_bytes, the dynamic ceiling last recorded by `hold_to_ceiling`)."""
+        if self._dynamic_ceiling is None:
+            return self.max_bytes
+        return min(self.max_bytes, self._dynamic_ceiling)
+
+    def set_dynamic_ceiling(self, ceiling_bytes: int | None) -> None:
+        self._dynamic_ceiling = ceiling_bytes
+
+    def session_bytes(self, session_id: str) -> int:
+        return self._session_bytes.get(session_id, 0)
+
+    def stats(self) -> BankStats:
+        with self._lock:
+            return BankStats(
+                total_bytes=self._total,
+                entries=len(self._entries),
+                sessions=len(self._sessions),
+                hits=self._hits,
+                misses=self._misses,
+                evictions=dict(self._evictions),
+            )
+
+    def entries(self, model: str | None = None) -> list[SessionEntry]:
+        """Entries, least recently used first (a snapshot list)."""
+        with self._lock:
+            return [e for e in self._entries.values() if model is None or e.model == model]
+
+    def get(self, model: str, tokens: Sequence[int]) -> SessionEntry | None:
+        """The entry stored under exactly these tokens (no stats, no touch)."""
+        with self._lock:
+            trie = self._tries.get(model)
+            return trie.get(tuple(tokens)) if trie is not None else None
+
+    def restore_source(self, model: str, tokens: Sequence[int]) -> SessionEntry | None:
+        """The entry `tokens` would restore from: the longest strict prefix (read-only)."""
+        with self._lock:
+            return self._restore_source(model, tuple(tokens))
+
+    def reusable_tokens(self, model: str, tokens: Sequence[int]) -> int:
+        src = self.restore_source(model, tokens)
+        return src.prefix_len if src is not None else 0
+
+    def is_terminal(self, entry: SessionEntry) -> bool:
+        with self._lock:
+            keys = self._lineages.get(entry.lineage, ())
+            return entry.prefix_len >= max((len(k[1]) for k in keys), default=0)
+
+    def list_sessions(self, model: str | None = None) -> list[SessionInfo]:
+        with self._lock:
+            active = self._active()
+            maxima = self._lineage_maxima(())
+            groups: dict[str | None, list[SessionEntry]] = {}
+            for e in self._entries.values():
+                if model is None or e.model == model:
+                    groups.setdefault(e.session_id, []).append(e)
+            out = []
+            for sid, group in groups.items():
+                group.sort(key=lambda e: e.created_at, reverse=True)
+                infos = tuple(
+                    EntryInfo(
+                        model=e.model, session_id=e.session_id, prefix_tokens=e.prefix_len,
+                        nbytes=e.nbytes, terminal=e.prefix_len >= maxima[e.lineage],
+                        hits=e.hits, created_at=e.created_at, last_access=e.last_access,
+                        live_ref=e.live_ref,
+                    )
+                    for e in group
+                )
+                out.append(SessionInfo(
+                    session_id=sid, entries=infos, nbytes=sum(e.nbytes for e in group),
+                    active=sid is not None and sid in active,
+                ))
+            return out
+
+    # -- lookup --------------------------------------------------------------
+
+    def longest_prefix(self, model: str, tokens: Sequence[int]) -> SessionEntry | None:
+        """The entry to restore `tokens` from (strict-prefix rule), counting a hit or miss.
+
+        Expires idle entries first (lazily, besides the enforcer's tick) and
+        marks the hit entry as used now.
+        """
+        key = tuple(tokens)
+        self.expire_idle()
+        with self._lock:
+            entry = self._restore_source(model, key)
+            if entry is not None:
+                self._hits += 1
+                entry.hits += 1
+                self._touch(entry, self._now())
+            else:
+                self._misses += 1
+        counter = self._metrics.hits if entry is not None else self._metrics.misses
+        counter.add(1, {names.ATTR_MODEL: model})
+        return entry
+
+    def _restore_source(self, model: str, key: Tokens) -> SessionEntry | None:
+        trie = self._tries.get(model)
+        if trie is None or len(key) < 2:
+            return None
+        found = trie.longest_prefix(key, max_len=len(key) - 1)
+        return found[1] if found is not None else None
+
+    def _restore_source_keys(self, model: str | None, tokens: Sequence[int] | None) -> set[EntryKey]:
+        if tokens is None:
+            return set()
+        key = tuple(tokens)
+        models = [model] if model is not None else list(self._tries)
+        sources = (self._restore_source(m, key) for m in models)
+        return {s.key for s in sources if s is not None}
+
+    # -- put -------------------------------------------------------------------
+
+    def put(self, entry: SessionEntry) -> PutResult:
+        """Store `entry`, then supersede, retain the newest few, and evict to the caps.
+
+        The new entry is never a victim; if it alone breaks a byte cap (or no
+        entries are allowed) it is refused up front and nothing else is touched.
+        """
+        refusal = self._refusal(entry)
+        if refusal is not None:
+            return PutResult(stored=False, refused_reason=refusal)
+        evicted: list[tuple[SessionEntry, str]] = []
+        with self._lock:
+            now = self._now()
+            entry.created_at = entry.last_access = now
+            old = self._remove(entry.key)
+            if old is not None and old is not entry:
+                evicted.append((old, REASON_REPLACED))
+            self._insert(entry)
+            evicted += [(e, REASON_SUPERSEDED) for e in self._supersede(entry)]
+            evicted += [(e, REASON_SESSION_RETENTION) for e in self._retain_newest(entry)]
+            evicted += self._evict_to_caps(entry)
+        self._dispatch(evicted)
+        return PutResult(
+            stored=True,
+            replaced=sum(1 for _, r in evicted if r == REASON_REPLACED),
+            superseded=sum(1 for _, r in evicted if r == REASON_SUPERSEDED),
+            evicted=sum(1 for _, r in evicted if r not in (REASON_REPLACED, REASON_SUPERSEDED)),
+            freed_bytes=sum(e.nbytes for e, _ in evicted),
+        )
+
+    def _refusal(self, entry: SessionEntry) -> str | None:
+        if self.max_entries < 1:
+            return REFUSED_NO_ENTRIES_ALLOWED
+        if entry.nbytes > self.max_bytes:
+            return REFUSED_EXCEEDS_MAX_BYTES
+        if entry.session_id is not None and entry.nbytes > self.per_session_max_bytes:
+            return REFUSED_EXCEEDS_SESSION_BYTES
+        return None
+
+    def _supersede(self, new: SessionEntry) -> list[SessionEntry]:
+        """Strict-prefix entries of the same lineage that the new entry covers."""
+        if new.session_id is None and not self.supersede_anonymous:
+            return []
+        covered = [
+            e for depth, e in self._tries[new.model].prefixes(new.tokens)
+            if depth < new.prefix_len and e.session_id == new.session_id
+        ]
+        for e in covered:
+            self._remove(e.key)
+        return covered
+
+    def _retain_newest(self, new: SessionEntry) -> list[SessionEntry]:
+        """Keep the newest `per_session_max_entries` of a named session."""
+        if new.session_id is None:
+            return []
+        keys = self._sessions[new.session_id]
+        extra = len(keys) - max(1, self.per_session_max_entries)
+        if extra <= 0:
+            return []
+        older = sorted(
+            (self._entries[k] for k in keys if k != new.key),
+            key=lambda e: (e.created_at, e.last_access),
+        )[:extra]
+        for e in older:
+            self._remove(e.key)
+        return older
+
+    def _evict_to_caps(self, new: SessionEntry) -> list[tuple[SessionEntry, str]]:
+        out: list[tuple[SessionEntry, str]] = []
+        active = self._active()
+        sid = new.session_id
+        if sid is not None and self._session_bytes[sid] > self.per_session_max_bytes:
+            # Victims come from that session only.
+            excess = self._session_bytes[sid] - self.per_session_max_bytes
+            order = self._ordered(lambda e: e.session_id == sid and e is not new, None)
+            out += [(e, REASON_CAP_SESSION_BYTES) for e in self._evict_all(_take_until(order, excess))]
+        if self._total > self.max_bytes:
+            order = self._ordered(lambda e: e is not new, active)
+            victims = _take_until(order, self._total - self.max_bytes)
+            out += [(e, REASON_CAP_BYTES) for e in self._evict_all(victims)]
+        if len(self._entries) > self.max_entries:
+            order = self._ordered(lambda e: e is not new, active)
+            victims = [e for _, e in zip(range(len(self._entries) - self.max_entries), order, strict=False)]
+            out += [(e, REASON_CAP_ENTRIES) for e in self._evict_all(victims)]
+        return out
+
+    # -- removal ---------------------------------------------------------------
+
+    def remove(self, model: str, tokens: Sequence[int], reason: str = REASON_REMOVED) -> SessionEntry | None:
+        """Remove one entry (e.g. a consumed single-use live reference) and return it."""
+        with self._lock:
+            entry = self._remove((model, tuple(tokens)))
+        if entry is not None:
+            self._dispatch([(entry, reason)])
+        return entry
+
+    def drop_session(self, session_id: str) -> tuple[int, int]:
+        """Drop every entry of a session -> (entries, bytes)."""
+        with self._lock:
+            victims = self._evict_all([self._entries[k] for k in self._sessions.get(session_id, ())])
+        self._dispatch([(e, REASON_DROPPED) for e in victims])
+        return len(victims), sum(e.nbytes for e in victims)
+
+    def drop_model(self, model: str) -> tuple[int, int]:
+        """Drop every entry of a model (it is being unloaded) -> (entries, bytes)."""
+        with self._lock:
+            victims = self._evict_all([e for e in self._entries.values() if e.model == model])
+        self._dispatch([(e, REASON_DROPPED) for e in victims])
+        return len(victims), sum(e.nbytes for e in victims)
+
+    def expire_idle(self, now: float | None = None) -> int:
+        """Evict entries idle for at least `idle_ttl_s`, sparing active sessions."""
+        if not self.idle_ttl_s or self.idle_ttl_s <= 0:
+            return 0
+        with self._lock:
+            now = self._now() if now is None else now
+            active = self._active()
+            victims = []
+            for e in self._entries.values():  # oldest first: stop at the first fresh one
+                if now - e.last_access < self.idle_ttl_s:
+                    break
+                if not (e.session_id is not None and e.session_id in active):
+                    victims.append(e)
+            self._evict_all(victims)
+        self._dispatch([(e, REASON_IDLE_TTL) for e in victims])
+        return len(victims)
+
+    # -- shrink policies ---------------------------------------------------------
+
+    def plan_shrink_to_bytes(
+        self,
+        target_bytes: int,
+        *,
+        protect_active: bool = False,
+        protect_keys: Iterable[EntryKey] = (),
+        protect_session_ids: Iterable[str] = (),
+        assume_evicted: Iterable[EntryKey] = (),
+    ) -> ShrinkPlan:
+        """What `shrink_to_bytes` would evict, without evicting (for Admit's dry run).
+
+        `assume_evicted` plans on the bank as if those keys were already gone.
+        """
+        with self._lock:
+            return self._plan_to_bytes(
+                target_bytes, protect_active, _keyset(protect_keys), set(protect_session_ids),
+                _keyset(assume_evicted),
+            )
+
+    def shrink_to_bytes(
+        self,
+        target_bytes: int,
+        *,
+        protect_active: bool = False,
+        reason: str = REASON_MEMORY_PRESSURE,
+        protect_keys: Iterable[EntryKey] = (),
+        protect_session_ids: Iterable[str] = (),
+    ) -> int:
+        """Evict until total <= max(0, target) -> the number of entries evicted.
+
+        Victim = min by (session active, last_access, -nbytes, created_at): idle
+        sessions first, least recently used first, larger first among equals.
+        With `protect_active`, active sessions' entries are never taken, so the
+        bank may stay above target (the dynamic ceiling: an active session is
+        spared a re-prefill). Entries holding live references are taken too:
+        this is the take-anything pass, it drops the bank's references.
+        """
+        keys, sids = _keyset(protect_keys), set(protect_session_ids)
+        with self._span(names.SPAN_BANK_SHRINK) as span:
+            with self._lock:
+                plan = self._plan_to_bytes(target_bytes, protect_active, keys, sids, set())
+                victims = self._evict_all([self._entries[k] for k in plan.victims])
+            self._dispatch([(e, reason) for e in victims])
+            span.set_attributes(self._plan_attrs(plan, reason))
+            span.set_attribute("plimsoll.protect_active", protect_active)
+        return len(victims)
+
+    def plan_shrink_for_admission(
+        self,
+        target_bytes: int,
+        *,
+        protect_tokens: Sequence[int] | None = None,
+        model: str | None = None,
+        protect_keys: Iterable[EntryKey] = (),
+        protect_session_ids: Iterable[str] = (),
+        assume_evicted: Iterable[EntryKey] = (),
+    ) -> ShrinkPlan:
+        """What `shrink_for_admission` would evict, without evicting."""
+        with self._lock:
+            return self._plan_for_admission(
+                target_bytes, protect_tokens, model, _keyset(protect_keys),
+                set(protect_session_ids), _keyset(assume_evicted),
+            )
+
+    def shrink_for_admission(
+        self,
+        target_bytes: int,
+        *,
+        protect_tokens: Sequence[int] | None = None,
+        model: str | None = None,
+        reason: str = REASON_ADMISSION_CHAIN,
+        protect_keys: Iterable[EntryKey] = (),
+        protect_session_ids: Iterable[str] = (),
+    ) -> tuple[int, int]:
+        """Two-phase shed before a prefill -> (non_terminal_evicted, terminal_evicted).
+
+        Protected: the entry `protect_tokens` would restore from (the real
+        strict-prefix restore rule, in `model` or every model when None), plus
+        `protect_keys` / `protect_session_ids`. Phase 1 takes non-terminal
+        entries by (last_access, -nbytes, created_at) until total <= target;
+        phase 2, only if a deficit remains, any unprotected entry with active
+        sessions last. An entry holding a live reference of an active session is
+        skipped: dropping it would free nothing (the running request still holds
+        the cache) while costing that session its restore point.
+        """
+        keys, sids = _keyset(protect_keys), set(protect_session_ids)
+        with self._span(names.SPAN_BANK_SHRINK_FOR_ADMISSION) as span:
+            with self._lock:
+                plan = self._plan_for_admission(target_bytes, protect_tokens, model, keys, sids, set())
+                victims = self._evict_all([self._entries[k] for k in plan.victims])
+            self._dispatch([(e, reason) for e in victims])
+            span.set_attributes(self._plan_attrs(plan, reason))
+            span.set_attribute(names.ATTR_NON_TERMINAL_EVICTED, plan.non_terminal)
+            span.set_attribute(names.ATTR_TERMINAL_EVICTED, plan.terminal)
+            if model is not None:
+                span.set_attribute(names.ATTR_MODEL, model)
+        return plan.non_terminal, plan.terminal
+
+    def _plan_to_bytes(
+        self,
+        target: int,
+        protect_active: bool,
+        protect_keys: set[EntryKey],
+        protect_sids: set[str],
+        gone: set[EntryKey],
+    ) -> ShrinkPlan:
+        active = self._active()
+        before = self._total - self._bytes_of(gone)
+        excess = before - max(0, target)
+        victims: list[SessionEntry] = []
+        if excess > 0:
+
+            def accept(e: SessionEntry) -> bool:
+                return not (
+                    e.key in protect_keys or e.key in gone or e.session_id in protect_sids
+                    or (protect_active and self._is_active(e, active))
+                )
+
+            victims = _take_until(self._ordered(accept, active), excess)
+        freed = sum(e.nbytes for e in victims)
+        return ShrinkPlan(
+            target_bytes=target, bytes_before=before, bytes_after=before - freed,
+            victims=tuple(e.key for e in victims), protected_keys=len(protect_keys),
+        )
+
+    def _plan_for_admission(
+        self,
+        target: int,
+        protect_tokens: Sequence[int] | None,
+        model: str | None,
+        protect_keys: set[EntryKey],
+        protect_sids: set[str],
+        gone: set[EntryKey],
+    ) -> ShrinkPlan:
+        active = self._active()
+        protected = protect_keys | self._restore_source_keys(model, protect_tokens)
+        before = self._total - self._bytes_of(gone)
+        excess = before - max(0, target)
+        if excess <= 0:
+            return ShrinkPlan(target, before, before, protected_keys=len(protected))
+        maxima = self._lineage_maxima(gone)
+
+        def evictable(e: SessionEntry) -> bool:
+            return not (
+                e.key in protected or e.key in gone or e.session_id in protect_sids
+                or (e.live_ref and self._is_active(e, active))
+            )
+
+        phase1 = _take_until(
+            self._ordered(lambda e: evictable(e) and e.prefix_len < maxima[e.lineage], None), excess
+        )
+        freed = sum(e.nbytes for e in phase1)
+        phase2: list[SessionEntry] = []
+        if freed < excess:
+            taken = {e.key for e in phase1}
+            order = self._ordered(lambda e: evictable(e) and e.key not in taken, active)
+            phase2 = _take_until(order, excess - freed)
+            freed += sum(e.nbytes for e in phase2)
+        return ShrinkPlan(
+            target_bytes=target, bytes_before=before, bytes_after=before - freed,
+            victims=tuple(e.key for e in phase1 + phase2), non_terminal=len(phase1),
+            terminal=len(phase2), protected_keys=len(protected),
+        )
+
+    # -- internals ---------------------------------------------------------------
+
+    def _now(self) -> float:
+        now = max(self._clock(), self._last_now)  # never backwards: keeps LRU order exact
+        self._last_now = now
+        return now
+
+    def _active(self) -> frozenset[str]:
+        return frozenset(self._active_fn())
+
+    @staticmethod
+    def _is_active(e: SessionEntry, active: frozenset[str]) -> bool:
+        return e.session_id is not None and e.session_id in active
+
+    def _bytes_of(self, keys: Iterable[EntryKey]) -> int:
+        return sum(self._entries[k].nbytes for k in keys if k in self._entries)
+
+    def _lineage_maxima(self, gone: set[EntryKey]) -> dict[Lineage, int]:
+        maxima: dict[Lineage, int] = {}
+        for e in self._entries.values():
+            if e.key not in gone and e.prefix_len > maxima.get(e.lineage, 0):
+                maxima[e.lineage] = e.prefix_len
+        return maxima
+
+    def _ordered(
+        self, accept: Callable[[SessionEntry], bool], active: frozenset[str] | None
+    ) -> Iterator[SessionEntry]:
+        """Accepted entries in victim order; with `active`, idle sessions before active.
+
+        Lazy, so picking one victim out of thousands stays cheap. Must be fully
+        consumed (or dropped) before the bank is mutated.
+        """
+        if active is None:
+            yield from _lru_groups(e for e in self._entries.values() if accept(e))
+            return
+        yield from _lru_groups(
+            e for e in self._entries.values() if accept(e) and not self._is_active(e, active)
+        )
+        yield from _lru_groups(
+            e for e in self._entries.values() if accept(e) and self._is_active(e, active)
+        )
+
+    def _touch(self, entry: SessionEntry, now: float) -> None:
+        entry.last_access = now
+        self._entries.move_to_end(entry.key)
+
+    def _insert(self, e: SessionEntry) -> None:
+        self._entries[e.key] = e
+        self._tries.setdefault(e.model, TokenTrie()).insert(e.tokens, e)
+        self._lineages.setdefault(e.lineage, set()).add(e.key)
+        if e.session_id is not None:
+            self._sessions.setdefault(e.session_id, set()).add(e.key)
+            self._session_bytes[e.session_id] = self._session_bytes.get(e.session_id, 0) + e.nbytes
+        self._total += e.nbytes
+
+    def _remove(self, key: EntryKey) -> SessionEntry | None:
+        e = self._entries.pop(key, None)
+        if e is None:
+            return None
+        trie = self._tries[e.model]
+        trie.remove(e.tokens)
+        if not len(trie):
+            del self._tries[e.model]
+        lineage = self._lineages[e.lineage]
+        lineage.discard(key)
+        if not lineage:
+            del self._lineages[e.lineage]
+        if e.session_id is not None:
+            keys = self._sessions[e.session_id]
+            keys.discard(key)
+            self._session_bytes[e.session_id] -= e.nbytes
+            if not keys:
+                del self._sessions[e.session_id]
+                del self._session_bytes[e.session_id]
+        self._total -= e.nbytes
+        return e
+
+    def _evict_all(self, victims: Iterable[SessionEntry]) -> list[SessionEntry]:
+        return [e for e in victims if self._remove(e.key) is not None]
+
+    def _dispatch(self, evicted: Sequence[tuple[SessionEntry, str]]) -> None:
+        """Count evictions and hand them to `on_evict`, grouped by reason, outside the lock."""
+        if not evicted:
+            return
+        by_reason: dict[str, list[SessionEntry]] = {}
+        for e, reason in evicted:
+            by_reason.setdefault(reason, []).append(e)
+        counter = self._metrics.evictions
+        with self._lock:
+            for reason, group in by_reason.items():
+                self._evictions[reason] += len(group)
+        for reason, group in by_reason.items():
+            counter.add(len(group), {names.ATTR_REASON: reason})
+            if self._on_evict is not None:
+                try:
+                    self._on_evict(group, reason)
+                except Exception:  # a faulty hook must not undo or block the policy
+                    _log.exception("session bank on_evict hook failed (reason=%s)", reason)
+
+    def _span(self, name: str) -> AbstractContextManager[trace.Span]:
+        tracer = self._tracer or telemetry.tracer()
+        return tracer.start_as_current_span(name)
+
+    @staticmethod
+    def _plan_attrs(plan: ShrinkPlan, reason: str) -> dict[str, Any]:
+        return {
+            names.ATTR_TARGET: plan.target_bytes,
+            names.ATTR_BYTES_BEFORE: plan.bytes_before,
+            names.ATTR_BYTES_AFTER: plan.bytes_after,
+            names.ATTR_BYTES_FREED: plan.freed_bytes,
+            names.ATTR_ENTRIES_EVICTED: plan.entries,
+            names.ATTR_REASON: reason,
+            names.ATTR_PROTECTED_KEYS: plan.protected_keys,
+        }
