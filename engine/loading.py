@@ -55,6 +55,15 @@ def default_model_id(source: str) -> str:
     return Path(source.rstrip("/")).name
 
 
+def estimate_load_bytes(source: str) -> int | None:
+    """A local model's weight files plus 5 %; None for a repository not yet downloaded."""
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        return None
+    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    return int(weights * 1.05) or None
+
+
 def context_length(config: dict) -> int:
     for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
         if isinstance(config.get(key), int) and config[key] > 0:

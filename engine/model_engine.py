@@ -69,6 +69,7 @@ class EngineStats:
     waiting_requests: int = 0
     request_ids: tuple[str, ...] = ()
     request_started: tuple[float, ...] = ()
+    request_tokens: tuple[int, ...] = ()  # tokens each request holds in KV
     mlx_active_bytes: int = 0
     mlx_pool_bytes: int = 0
     sampled_at: float = 0.0
@@ -123,6 +124,12 @@ class ModelEngine:
         self._stop = False
         self._stop_error: PlimsollError | None = None
         self.info: LoadedModel | None = None
+        # How many sequences may hold KV at once; the enforcer walks it one step per
+        # tick (down under pressure, back to max_num_seqs at ok). Inserts beyond it wait.
+        self.batch_cap = self.settings.max_num_seqs
+        self._held: list[_Insert] = []
+        self._reclaim_waiters: list[threading.Event] = []
+        self._last_reclaimed = 0
 
     # -- called from any thread -------------------------------------------------
     def start(self) -> concurrent.futures.Future[ModelFacts]:
@@ -156,6 +163,16 @@ class ModelEngine:
     def request_pressure_reclaim(self) -> bool:
         self._pressure_reclaim = True
         return self._thread.is_alive()
+
+    def reclaim_now(self, timeout: float = 0.5) -> int:
+        """Blocks (never on the event loop) until the engine thread has drained the MLX
+        pool at its next step boundary; returns the bytes it freed."""
+        done = threading.Event()
+        self._reclaim_waiters.append(done)
+        self._pressure_reclaim = True
+        if not self._thread.is_alive() or not done.wait(timeout):
+            return 0
+        return self._last_reclaimed
 
     def request_idle_reclaim(self) -> None:
         self._idle_reclaim = True
@@ -212,7 +229,8 @@ class ModelEngine:
         try:
             while not self._stop:
                 outbox: list[tuple[asyncio.Queue, Event]] = []
-                self._drain_inbox(gen, live, by_id, outbox, eos, no_stop, block=not live)
+                self._drain_inbox(gen, live, by_id, outbox, eos, no_stop,
+                                  block=not live and not self._held)
                 if live and not self._stop:
                     _, responses = gen.next()
                     self._publish_step(gen, responses, live, by_id, outbox)
@@ -228,6 +246,9 @@ class ModelEngine:
             err = self._stop_error or Unavailable(f"model {self.model_id} stopped")
             for item in list(live.values()):
                 outbox.append((item.sink, Failed(err)))
+            for h in self._held:
+                outbox.append((h.sink, Failed(err)))
+            self._held.clear()
             self._fail_pending_inserts(err, outbox)
             self._deliver(outbox)
             live.clear()
@@ -258,14 +279,19 @@ class ModelEngine:
             try:
                 cmd = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             timeout = None
             if cmd is None:
                 continue
             if isinstance(cmd, _Insert):
-                self._insert(gen, cmd, live, by_id, eos, no_stop)
+                self._held.append(cmd)
             else:
                 self._cancel(gen, cmd, live, by_id, outbox)
+        self._admit_held(gen, live, by_id, eos, no_stop)
+
+    def _admit_held(self, gen, live, by_id, eos, no_stop) -> None:
+        while self._held and len(live) < max(1, self.batch_cap):
+            self._insert(gen, self._held.pop(0), live, by_id, eos, no_stop)
 
     def _insert(self, gen, cmd: _Insert, live, by_id, eos, no_stop) -> None:
         req = cmd.request
@@ -293,10 +319,17 @@ class ModelEngine:
         self._refresh_stats(live)
 
     def _cancel(self, gen, cmd: _Cancel, live, by_id, outbox) -> None:
-        if cmd.request_ids is None:
+        wanted = None if cmd.request_ids is None else set(cmd.request_ids)
+        held = [h for h in self._held if wanted is None or h.request.request_id in wanted]
+        for h in held:
+            self._held.remove(h)
+            self.stats.waiting_requests -= 1
+            if cmd.error is not None:
+                outbox.append((h.sink, Failed(cmd.error)))
+        if wanted is None:
             targets = list(live.values())
         else:
-            targets = [by_id[r] for r in cmd.request_ids if r in by_id]
+            targets = [by_id[r] for r in wanted if r in by_id]
         if targets:
             gen.remove([t.uid for t in targets])
         for t in targets:
@@ -305,7 +338,8 @@ class ModelEngine:
             if cmd.error is not None:
                 outbox.append((t.sink, Failed(cmd.error)))
         self._refresh_stats(live)
-        cmd.done.set_result([t.request.request_id for t in targets])
+        cmd.done.set_result([t.request.request_id for t in targets]
+                            + [h.request.request_id for h in held])
 
     def _publish_step(self, gen, responses, live, by_id, outbox) -> None:
         now = time.monotonic()
@@ -373,8 +407,13 @@ class ModelEngine:
     def _step_boundary(self, busy: bool) -> None:
         if self._pressure_reclaim:
             self._pressure_reclaim = False
+            waiters, self._reclaim_waiters = self._reclaim_waiters, []
+            pooled = mx.get_cache_memory()
             mx.synchronize()
             mx.clear_cache()
+            self._last_reclaimed = max(0, pooled - mx.get_cache_memory())
+            for w in waiters:
+                w.set()
         if self._idle_reclaim and not busy:
             self._idle_reclaim = False
             gc.collect()
@@ -392,6 +431,8 @@ class ModelEngine:
         self.stats.active_requests = len(items)
         self.stats.request_ids = tuple(i.request.request_id for i in items)
         self.stats.request_started = tuple(i.request.created_at for i in items)
+        self.stats.request_tokens = tuple(len(i.request.prompt_tokens) + i.generated
+                                          for i in items)
 
 
 def _put_all(outbox: list[tuple[asyncio.Queue, Event]]) -> None:

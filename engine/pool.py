@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -21,9 +21,10 @@ from engine.errors import (
     InvalidArgument,
     NotFound,
     PlimsollError,
+    ResourceExhausted,
     Unavailable,
 )
-from engine.loading import default_model_id
+from engine.loading import default_model_id, estimate_load_bytes
 from engine.model_engine import EngineSettings, FinishHook, ModelEngine
 from telemetry import names, tracer
 
@@ -87,12 +88,15 @@ class ModelPool:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._loop = loop
-        self._settings = settings or EngineSettings()
-        self._on_finish = on_finish
+        self.settings = settings or EngineSettings()
+        self.on_finish_hook = on_finish
         self._clock = clock
         self._entries: dict[str, ModelEntry] = {}
         self._lock = asyncio.Lock()
         self.listeners: list[Callable[[], None]] = []  # told after every load/unload
+        # Called before a load with (entry, estimated bytes); may evict or raise.
+        self.load_guard: Callable[[ModelEntry, int | None], Awaitable[None]] | None = None
+        self._measured: dict[str, int] = {}  # source -> bytes measured at its last load
 
     # -- lookup -------------------------------------------------------------------
     def entries(self) -> list[ModelEntry]:
@@ -124,6 +128,14 @@ class ModelPool:
                 f"model '{entry.model_id}' is not loaded; load it with LoadModel",
                 retry_after_s=1.0,
             )
+        if entry.pending_unload_reason:
+            raise ResourceExhausted(
+                f"model '{entry.model_id}' is being unloaded under memory pressure "
+                f"({entry.pending_unload_reason})",
+                reason="MEMORY_PRESSURE",
+                retry_after_s=5.0,
+                metadata={"model": entry.model_id, "pending_unload": entry.pending_unload_reason},
+            )
         return entry
 
     def any_ready(self) -> bool:
@@ -136,6 +148,22 @@ class ModelPool:
     def release(self, entry: ModelEntry) -> None:
         entry.in_use = max(0, entry.in_use - 1)
         self.touch(entry)
+        if entry.pending_unload_reason and not entry.busy:
+            asyncio.ensure_future(self.unload_if_pending(entry.model_id))
+
+    def estimate_bytes(self, source: str) -> int | None:
+        """What loading `source` will take: measured last time, else its weight files."""
+        return self._measured.get(source) or estimate_load_bytes(source)
+
+    async def unload_if_pending(self, model_id: str) -> None:
+        entry = self._entries.get(model_id)
+        if (entry is None or not entry.pending_unload_reason or entry.busy
+                or entry.state != ModelState.READY):
+            return
+        try:
+            await self.unload(model_id, force=True, reason=entry.pending_unload_reason)
+        except PlimsollError as err:
+            log.warning("pending unload of %s failed: %s", model_id, err)
 
     def touch(self, entry: ModelEntry) -> None:
         entry.last_used = self._clock()
@@ -168,8 +196,14 @@ class ModelPool:
         return await self._start(entry)
 
     async def _start(self, entry: ModelEntry) -> ModelEntry:
-        engine = ModelEngine(entry.model_id, entry.source, self._loop, self._settings,
-                             self._on_finish)
+        if self.load_guard is not None:
+            try:
+                await self.load_guard(entry, self.estimate_bytes(entry.source))
+            except BaseException:
+                entry.state = ModelState.UNLOADED
+                raise
+        engine = ModelEngine(entry.model_id, entry.source, self._loop, self.settings,
+                             self.on_finish_hook)
         entry.engine = engine
         entry.state = ModelState.LOADING
         self._notify()
@@ -188,6 +222,7 @@ class ModelPool:
                     f"cannot load model from '{entry.source}': {exc}", "source"
                 ) from exc
             entry.measured_bytes = info.measured_bytes or info.weights_bytes
+            self._measured[entry.source] = entry.measured_bytes
             entry.weights_bytes = info.weights_bytes
             entry.context_length = info.context_length
             entry.kv_bytes_per_token = info.kv_bytes_per_token

@@ -63,8 +63,15 @@ def dynamic_term(readings: MemoryReadings, tier: Tier) -> int | None:
     if all(v is not None for v in vm):
         free, inactive, active = (int(v) for v in vm)  # type: ignore[arg-type]
         return own + free + inactive + int(active * ratio)
-    if readings.system_available_bytes is not None:
-        return own + readings.system_available_bytes
+    available = readings.system_available_bytes
+    limit, used = readings.container_limit_bytes, readings.container_usage_bytes
+    if limit is not None and used is not None:
+        # Inside a container, what can still be given is its own headroom: a
+        # neighbour in the same cgroup (or a balloon) shrinks it.
+        headroom = max(0, limit - used)
+        available = headroom if available is None else min(available, headroom)
+    if available is not None:
+        return own + available
     return None
 
 

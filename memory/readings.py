@@ -383,6 +383,7 @@ class MemoryReader:
         proc_cgroup = _read_text(f"{proc_root}/self/cgroup")
         mountinfo = _read_text(f"{proc_root}/self/mountinfo")
         self._cgroup = discover_cgroup(proc_cgroup, mountinfo, default_root=cgroup_root)
+        self._stat_files: dict[str, _CachedFile] = {}
         if self._cgroup is not None:
             self._cgroup_files = [
                 (lvl, _CachedFile(lvl.limit_file), _CachedFile(lvl.usage_file))
@@ -548,13 +549,33 @@ class MemoryReader:
                 continue
             assert limit is not None
             if best is None or limit < best[0]:
-                best = (limit, _parse_int(usage_file.read(64)), level.limit_file)
+                best = (limit, _parse_int(usage_file.read(64)), level)
         if best is None:
             if self._cgroup is not None:
                 sources["container"] = f"no limit (cgroup v{self._cgroup.version})"
             return None, None
-        sources["container"] = best[2]
-        return best[0], best[1]
+        limit, usage, level = best
+        sources["container"] = level.limit_file
+        directory = level.directory
+        if usage is not None:
+            # Like the kubelet: the working set excludes inactive page cache (model
+            # files just read), which the kernel drops before it OOM-kills anyone.
+            inactive = self._inactive_file(directory)
+            if inactive is not None:
+                usage = max(0, usage - inactive)
+                sources["container_usage"] = "usage - inactive_file (working set)"
+        return limit, usage
+
+    def _inactive_file(self, directory: str) -> int | None:
+        stat = self._stat_files.get(directory)
+        if stat is None:
+            stat = self._stat_files[directory] = _CachedFile(f"{directory}/memory.stat")
+        text = stat.read(16384)
+        if not text:
+            return None
+        values = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
+        raw = values.get("total_inactive_file", values.get("inactive_file"))
+        return _parse_int(raw) if raw is not None else None
 
     def _read_os_pressure(self, sources: dict[str, str]) -> str | None:
         if self._darwin_api is not None:

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import tomllib
 from pathlib import Path
 
 import grpc
@@ -16,8 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.demo_models import DEMO_SIZES
 from engine.model_engine import EngineSettings
+from memory.config import MemoryConfig
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from service.server import MiB, ServerConfig, serve
+from sessions.admission import SchedulerMode, validate_scheduler_settings
 from telemetry.setup import TelemetrySettings
 
 DEFAULT_PORT = 50051
@@ -70,6 +73,54 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight streams may finish "
                    "(default: %(default)s)")
+    mem = s.add_argument_group("memory", "The enforcer that keeps the process under its "
+                               "ceiling. Flags override --memory-config.")
+    mem.add_argument("--memory-config", type=Path, default=None, metavar="FILE",
+                     help="TOML file with memory keys (tier, custom_ceiling_gib, "
+                     "soft_fraction, hard_fraction, operator_cap_gib, active_poll_s, "
+                     "idle_poll_s, empty_poll_s, enabled, abort_order, ...), top level or "
+                     "under [memory]")
+    mem.add_argument("--no-enforcer", action="store_true",
+                     help="turn the memory enforcer off: no ticks, no pre-load or "
+                     "pre-prefill memory checks (the process may be OOM-killed)")
+    mem.add_argument("--memory-guard", choices=["safe", "balanced", "aggressive", "custom"],
+                     default=None,
+                     help="ceiling tier: reserve left to the system and soft mark "
+                     "(default: balanced)")
+    mem.add_argument("--memory-guard-gb", type=float, default=None, metavar="GIB",
+                     help="custom ceiling in GiB (selects the custom tier)")
+    mem.add_argument("--memory-cap-gb", type=float, default=None, metavar="GIB",
+                     help="an operator cap on the ceiling in GiB, whatever the tier")
+    mem.add_argument("--soft-fraction", type=float, default=None,
+                     help="soft mark as a fraction of the ceiling (default: by tier)")
+    mem.add_argument("--hard-fraction", type=float, default=None,
+                     help="hard mark as a fraction of the ceiling (default: 0.95)")
+    mem.add_argument("--poll-active", type=float, default=None, metavar="S",
+                     help="enforcer interval under pressure or activity (default: 1.0)")
+    mem.add_argument("--poll-idle", type=float, default=None, metavar="S",
+                     help="enforcer interval with models loaded and idle (default: 10)")
+    mem.add_argument("--poll-empty", type=float, default=None, metavar="S",
+                     help="enforcer interval with no model loaded (default: 30)")
+    mem.add_argument("--abort-order", choices=["all", "youngest", "largest"], default=None,
+                     help="which requests a busy victim loses first at hard pressure "
+                     "(default: all)")
+    adm = s.add_argument_group("admission and sessions")
+    adm.add_argument("--scheduler-mode", choices=["default", "hyper"], default="default",
+                     help="hyper admits exactly one request at a time (default: %(default)s)")
+    adm.add_argument("--admission-queue-limit", type=int, default=32,
+                     help="requests that may wait while admission pauses "
+                     "(default: %(default)s)")
+    adm.add_argument("--admission-timeout", type=float, default=30.0, metavar="S",
+                     help="longest wait for admission before RESOURCE_EXHAUSTED "
+                     "(default: %(default)s)")
+    adm.add_argument("--no-admission-chain-shed", action="store_true",
+                     help="do not shed session-cache entries (shrink_for_admission) to admit "
+                     "a prompt")
+    adm.add_argument("--no-session-bank", action="store_true",
+                     help="do not cache session KV between turns")
+    adm.add_argument("--session-bank-gb", type=float, default=8.0, metavar="GIB",
+                     help="most bytes the session bank may hold (default: %(default)s; the "
+                     "enforcer's dynamic ceiling may hold it lower)")
     s.add_argument("--otlp-endpoint", default="",
                    help="send traces and metrics over OTLP/gRPC to this endpoint "
                    "(default: the OTEL_EXPORTER_OTLP_ENDPOINT variable; none: nothing leaves)")
@@ -163,6 +214,32 @@ async def _health(args) -> int:
     return 0 if resp.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def memory_config(args) -> MemoryConfig:
+    """--memory-config file, overridden by flags; validated with one clear error."""
+    values: dict = {}
+    if args.memory_config is not None:
+        with open(args.memory_config, "rb") as fh:
+            data = tomllib.load(fh)
+        values.update(data["memory"] if isinstance(data.get("memory"), dict) else data)
+    flags = {
+        "tier": args.memory_guard,
+        "custom_ceiling_gib": args.memory_guard_gb,
+        "operator_cap_gib": args.memory_cap_gb,
+        "soft_fraction": args.soft_fraction,
+        "hard_fraction": args.hard_fraction,
+        "active_poll_s": args.poll_active,
+        "idle_poll_s": args.poll_idle,
+        "empty_poll_s": args.poll_empty,
+        "abort_order": args.abort_order,
+        "enabled": False if args.no_enforcer else None,
+    }
+    values.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        return MemoryConfig.from_mapping(values)
+    except ValueError as err:
+        raise CliError(f"memory settings: {err}") from err
+
+
 def _serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -178,7 +255,21 @@ def _serve(args) -> int:
                               prefill_step_size=args.prefill_step_size),
         telemetry=TelemetrySettings(otlp_endpoint=args.otlp_endpoint),
     )
-    config.runtime.max_queued_requests = args.max_queued_requests
+    config.memory = memory_config(args)
+    rt = config.runtime
+    rt.max_queued_requests = args.max_queued_requests
+    rt.scheduler_mode = SchedulerMode(args.scheduler_mode)
+    rt.admission_queue_limit = args.admission_queue_limit
+    rt.admission_timeout_s = args.admission_timeout
+    rt.chain_shed = not args.no_admission_chain_shed
+    rt.session_bank = not args.no_session_bank
+    rt.bank_max_bytes = int(args.session_bank_gb * 1024**3)
+    rt.bank_per_session_max_bytes = min(rt.bank_per_session_max_bytes, rt.bank_max_bytes)
+    try:
+        validate_scheduler_settings(rt.scheduler_mode, args.max_num_seqs,
+                                    queue_limit=rt.admission_queue_limit)
+    except ValueError as err:
+        raise CliError(str(err)) from err
     for name, value in (("--max-num-seqs", args.max_num_seqs),
                         ("--prefill-step-size", args.prefill_step_size),
                         ("--max-queued-requests", args.max_queued_requests),

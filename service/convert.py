@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 from google.protobuf import timestamp_pb2
 
 from engine.pool import ModelEntry, ModelState
 from engine.request import ChatMessage, Chunk, Finished, FinishReason, SamplingParams
-from plimsoll.v1 import control_pb2, inference_pb2
+from plimsoll.v1 import control_pb2, inference_pb2, types_pb2
 from service.runtime import Admitted, GenerateSpec
 
 _FINISH = {
@@ -111,7 +113,98 @@ def model_to_wire(e: ModelEntry) -> control_pb2.ModelInfo:
         context_length=e.context_length,
         kv_bytes_per_token=e.kv_bytes_per_token,
         is_default=e.is_default,
+        batch_cap=e.engine.batch_cap if e.engine else 0,
+        pending_unload=e.pending_unload_reason,
     )
     if e.last_used_wall:
         info.last_used.CopyFrom(timestamp(e.last_used_wall))
     return info
+
+
+# -- memory → wire --------------------------------------------------------------------
+
+_READING_FIELDS = (
+    "process_bytes", "mlx_active_bytes", "mlx_pool_bytes", "footprint_bytes",
+    "system_total_bytes", "system_available_bytes", "container_limit_bytes",
+    "container_usage_bytes", "device_limit_bytes",
+)
+
+
+def readings_to_wire(r) -> types_pb2.MemoryReadings:
+    msg = types_pb2.MemoryReadings(os_pressure=r.os_pressure or "", sources=r.sources)
+    for name in _READING_FIELDS:
+        value = getattr(r, name)
+        if value is not None:
+            setattr(msg, name, int(value))
+    return msg
+
+
+def limits_to_wire(limits) -> types_pb2.MemoryLimits:
+    return types_pb2.MemoryLimits(
+        ceiling_bytes=limits.ceiling_bytes,
+        soft_bytes=limits.soft_bytes,
+        hard_bytes=limits.hard_bytes,
+        abort_cap_bytes=limits.abort_cap_bytes,
+        binding_term=limits.binding_term,
+        terms={k: int(v) for k, v in limits.terms.items()},
+        tier=str(limits.tier),
+    )
+
+
+def level_to_wire(level, emergency: bool = False) -> int:
+    return types_pb2.PRESSURE_LEVEL_EMERGENCY if emergency else int(level)
+
+
+def transition_to_wire(t, readings, limits) -> control_pb2.PressureTransition:
+    return control_pb2.PressureTransition(
+        from_level=int(t.from_level),
+        to_level=level_to_wire(t.to_level, t.emergency),
+        readings=readings_to_wire(readings),
+        limits=limits_to_wire(limits),
+        reason=t.reason,
+    )
+
+
+def sample_to_wire(sample) -> control_pb2.PressureSample:
+    return control_pb2.PressureSample(
+        level=level_to_wire(sample.level, sample.emergency),
+        readings=readings_to_wire(sample.readings),
+        limits=limits_to_wire(sample.limits),
+    )
+
+
+# -- leases and sessions → wire ---------------------------------------------------------
+
+
+def _wall(monotonic_at: float) -> float:
+    return time.time() + (monotonic_at - time.monotonic())
+
+
+def model_lease_to_wire(lease) -> control_pb2.Lease:
+    msg = control_pb2.Lease(lease_id=lease.lease_id, model=lease.model_id, owner=lease.owner)
+    if lease.expires_at is not None:
+        msg.expires_at.CopyFrom(timestamp(lease.expires_at))
+    return msg
+
+
+def session_pin_to_wire(pin) -> control_pb2.Lease:
+    msg = control_pb2.Lease(lease_id=pin.lease_id, session_id=pin.session_id, owner=pin.owner)
+    if pin.expires_at is not None:
+        msg.expires_at.CopyFrom(timestamp(_wall(pin.expires_at)))
+    return msg
+
+
+def session_to_wire(info, pinned: bool) -> control_pb2.SessionInfo:
+    return control_pb2.SessionInfo(
+        session_id=info.session_id or "",
+        entries=[
+            control_pb2.SessionEntry(
+                model=e.model, prefix_tokens=e.prefix_tokens, bytes=e.nbytes,
+                terminal=e.terminal, hits=e.hits, last_access=timestamp(_wall(e.last_access)),
+            )
+            for e in info.entries
+        ],
+        bytes=info.nbytes,
+        active=info.active,
+        pinned=pinned,
+    )

@@ -124,3 +124,69 @@ class PressureBroker:
         when = now_timestamp()
         for sub in self._subscribers:
             sub.offer(kind, payload, when)
+
+
+# -- the enforcer's sink ---------------------------------------------------------------
+
+_ACTION_KINDS = {
+    "EvictModel": "evict_model",
+    "AbortRequests": "abort_requests",
+    "AbortLoad": "abort_load",
+    "MarkPendingUnload": "mark_pending_unload",
+    "PressureReclaim": "pressure_reclaim",
+    "IdleReclaim": "idle_reclaim",
+    "ShrinkSessionCache": "shrink_sessions",
+    "ClearAuxCaches": "clear_aux_caches",
+    "PauseAdmission": "pause_admission",
+    "ResumeAdmission": "resume_admission",
+    "AdjustStoreCacheCap": "store_cache_cap",
+}
+
+
+class PressurePublisher:
+    """Turns enforcer events into WatchPressure messages for the broker."""
+
+    def __init__(self, broker: PressureBroker) -> None:
+        self.broker = broker
+        self._caps: dict[str, int] = {}
+        self.level = 1  # wire level of the last tick
+
+    def on_transition(self, transition, readings, limits) -> None:
+        from service.convert import transition_to_wire
+
+        self.broker.publish("transition", transition_to_wire(transition, readings, limits))
+
+    def on_sample(self, sample) -> None:
+        from service.convert import level_to_wire, sample_to_wire
+
+        self.level = level_to_wire(sample.level, sample.emergency)
+        if self.broker.subscriber_count:
+            self.broker.publish("sample", sample_to_wire(sample))
+
+    def on_action(self, action, outcome) -> None:
+        kind = _ACTION_KINDS.get(type(action).__name__)
+        if kind is None:
+            return
+        model = getattr(action, "model_id", "")
+        if kind == "store_cache_cap":
+            # Every tick walks every cap; only a change is news.
+            if outcome.value is None or self._caps.get(model) == outcome.value:
+                return
+            self._caps[model] = outcome.value
+        level = getattr(action, "level", None)
+        msg = control_pb2.EnforcerAction(
+            kind=kind,
+            model=model,
+            request_ids=list(outcome.request_ids or ()),
+            bytes_freed=max(0, int(outcome.bytes_freed or 0)),
+            entries_evicted=int(outcome.entries or 0),
+            reason=getattr(action, "reason", "") or (
+                f"cap {outcome.value}" if kind == "store_cache_cap" else ""),
+            level=int(level) if level is not None else self.level,
+        )
+        self.broker.publish("action", msg)
+
+    def on_load_eviction(self, victim: str, loading: str, freed: int) -> None:
+        self.broker.publish("action", control_pb2.EnforcerAction(
+            kind="evict_model", model=victim, bytes_freed=freed,
+            reason=f"make_room_for_load:{loading}", level=self.level))

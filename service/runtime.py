@@ -1,21 +1,31 @@
-"""The assembled service behind the servicers: model pool, request flow, draining.
+"""The assembled service behind the servicers: pool, enforcer, session bank, admission.
 
 Servicers map wire ↔ domain; this module owns the order of things for a
-Generate: resolve the model, tokenize, validate, admit, submit to the model's
-engine thread, stream its events, and clean up however the stream ends.
+Generate: resolve the model, tokenize, validate, wait for an admission slot,
+run admission (shedding cache if it must), restore the cached prefix, submit to
+the model's engine thread, stream its events, and clean up however the stream
+ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidArgument, ResourceExhausted, Unavailable
-from engine.pool import ModelEntry, ModelPool
+from engine.errors import (
+    InvalidArgument,
+    NotFound,
+    PlimsollError,
+    ResourceExhausted,
+    Unavailable,
+)
+from engine.pool import ModelEntry, ModelPool, ModelState
 from engine.request import (
     DEFAULT_MAX_TOKENS,
     ChatMessage,
@@ -26,11 +36,35 @@ from engine.request import (
     SamplingParams,
     validate_against_model,
 )
+from memory.ceiling import Limits, compute_limits
+from memory.config import MemoryConfig
+from memory.enforcer import MemoryEnforcer
+from memory.levels import PressureLevel
+from memory.readings import MemoryReader, MemoryReadings
+from service.enforcement import PoolAdapter
+from service.leases import ModelLeases
+from sessions.activity import ActiveSessions, SessionPins
+from sessions.admission import (
+    AdmissionInputs,
+    AdmissionQueue,
+    Decision,
+    QueueOutcome,
+    ReservationBook,
+    SchedulerMode,
+    bank_figures,
+    decide,
+    preview_shed,
+    run_admission,
+    validate_scheduler_settings,
+)
+from sessions.bank import SessionBank, SessionEntry
+from sessions.ceiling import bank_dynamic_ceiling, hold_to_ceiling
 from telemetry import names, tracer
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_TOKENS = 64
+GIB = 1024**3
 
 
 @dataclass
@@ -62,29 +96,219 @@ class Admitted:
 
 
 @dataclass
+class AdmitReport:
+    """The answer to ControlService.Admit."""
+
+    decision: Decision
+    level: int
+    shed_entries: int
+    shed_bytes: int
+    ticket: str = ""
+    ticket_expires_at: float = 0.0  # wall clock
+
+
+@dataclass
 class RuntimeSettings:
-    max_queued_requests: int = 256  # per server; beyond it RESOURCE_EXHAUSTED/QUEUE_FULL
+    max_queued_requests: int = 256  # requests in flight (running + waiting) per server
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    scheduler_mode: SchedulerMode = SchedulerMode.DEFAULT
+    admission_queue_limit: int = 32  # requests waiting for a slot while admission pauses
+    admission_timeout_s: float = 30.0
+    chain_shed: bool = True  # the admission-chain shed (shrink_for_admission)
+    session_bank: bool = True
+    bank_max_bytes: int = 8 * GIB
+    bank_per_session_max_bytes: int = 4 * GIB
+    bank_max_entries: int = 256
+    bank_idle_ttl_s: float = 3600.0
+    reservation_ttl_s: float = 30.0
 
 
 class Runtime:
-    def __init__(self, pool: ModelPool, settings: RuntimeSettings | None = None) -> None:
+    def __init__(
+        self,
+        pool: ModelPool,
+        settings: RuntimeSettings | None = None,
+        memory: MemoryConfig | None = None,
+        sink=None,
+    ) -> None:
         self.pool = pool
         self.settings = settings or RuntimeSettings()
+        self.memory_config = (memory or MemoryConfig()).validate()
+        validate_scheduler_settings(self.settings.scheduler_mode, pool.settings.max_num_seqs,
+                                    queue_limit=self.settings.admission_queue_limit)
         self.draining = False
         self._ids = itertools.count(1)
         self._prefix = os.urandom(3).hex()
         self.in_flight = 0
 
+        self.reader = MemoryReader()
+        self.model_leases = ModelLeases()
+        self.session_pins = SessionPins(time.monotonic)
+        self.active_sessions = ActiveSessions(self.session_pins)
+        self.bank = SessionBank(
+            max_bytes=self.settings.bank_max_bytes,
+            per_session_max_bytes=self.settings.bank_per_session_max_bytes,
+            max_entries=self.settings.bank_max_entries,
+            idle_ttl_s=self.settings.bank_idle_ttl_s,
+            active_sessions=self.active_sessions,
+        )
+        self.reservations = ReservationBook(time.monotonic,
+                                            default_ttl_s=self.settings.reservation_ttl_s)
+        self.queue = AdmissionQueue(queue_limit=self.settings.admission_queue_limit,
+                                    mode=self.settings.scheduler_mode)
+        self.sink = sink
+        self.enforcer: MemoryEnforcer | None = None
+        if self.memory_config.enabled:
+            self.enforcer = MemoryEnforcer(
+                self.memory_config, self.reader, PoolAdapter(pool, self.figures),
+                session_tier=self.bank if self.settings.session_bank else None,
+                sink=self,
+            )
+            pool.load_guard = self._make_room_for_load
+        pool.on_finish_hook = self._store_session
+
+    # -- memory figures ---------------------------------------------------------------
+    @property
+    def level(self) -> PressureLevel:
+        if self.enforcer is None:
+            return PressureLevel.OK
+        return self.enforcer.level
+
+    def pressure_level(self) -> int:
+        return int(self.level)
+
+    def _mlx_sample(self) -> tuple[int, int] | None:
+        # Never call MLX here: take the largest of the engine threads' own samples.
+        samples = [(e.engine.stats.mlx_active_bytes, e.engine.stats.mlx_pool_bytes)
+                   for e in self.pool.entries() if e.engine is not None
+                   and e.engine.stats.sampled_at]
+        return max(samples) if samples else (0, 0)
+
+    def measure(self) -> tuple[MemoryReadings, Limits]:
+        readings = self.reader.read(self._mlx_sample)
+        return readings, compute_limits(readings, self.memory_config)
+
+    def figures(self) -> tuple[int, int]:
+        """(usage, ceiling) of the latest tick, for abort statuses."""
+        if self.enforcer and self.enforcer.readings and self.enforcer.limits:
+            return self.enforcer.readings.process_bytes, self.enforcer.limits.ceiling_bytes
+        readings, limits = self.measure()
+        return readings.process_bytes, limits.ceiling_bytes
+
+    # -- enforcer sink: per-tick housekeeping and publishing --------------------------
+    def on_transition(self, transition, readings, limits) -> None:
+        self.queue.set_level(int(transition.to_level))
+        if self.sink is not None:
+            self.sink.on_transition(transition, readings, limits)
+
+    def on_action(self, action, outcome) -> None:
+        if self.sink is not None:
+            self.sink.on_action(action, outcome)
+
+    def on_sample(self, sample) -> None:
+        self.queue.set_level(int(sample.level))
+        self._expire_leases()
+        self.reservations.expire()
+        if self.settings.session_bank:
+            self.bank.expire_idle()
+            weights = sum(e.measured_bytes for e in self.pool.entries()
+                          if e.state == ModelState.READY)
+            usage = sample.readings.process_bytes
+            working = max(0, usage - weights - self.bank.total_bytes())
+            hold_to_ceiling(self.bank, bank_dynamic_ceiling(
+                sample.limits.ceiling_bytes, weights, working,
+                bank_idle_max=self.settings.bank_max_bytes))
+        if self.sink is not None:
+            self.sink.on_sample(sample)
+
+    def _expire_leases(self) -> None:
+        for lease in self.model_leases.expire():
+            self._recount_pins(lease.model_id)
+        self.session_pins.expire()
+
+    def _recount_pins(self, model_id: str) -> None:
+        with contextlib.suppress(NotFound):
+            self.pool.get(model_id).pins = self.model_leases.count(model_id)
+
+    # -- models -----------------------------------------------------------------------
     async def load_model(self, source: str, model_id: str = "") -> ModelEntry:
         if self.draining:
             raise Unavailable("server is draining", retry_after_s=1.0)
-        return await self.pool.load(source, model_id)
+        if self.enforcer:
+            self.enforcer.wake(active=True)
+        entry = await self.pool.load(source, model_id)
+        if self.enforcer:
+            self.enforcer.wake()
+        return entry
 
-    def pressure_level(self) -> int:
-        return 1  # PRESSURE_LEVEL_OK until the enforcer reports otherwise
+    async def unload_model(self, model_id: str, force: bool):
+        result = await self.pool.unload(model_id, force=force)
+        self.bank.drop_model(self.pool.get(model_id).model_id)
+        if self.enforcer:
+            self.enforcer.wake()
+        return result
 
-    # -- Generate -------------------------------------------------------------------
+    async def _make_room_for_load(self, entry: ModelEntry, estimate: int | None) -> None:
+        """Before a load: evict idle LRU non-pinned models down to the soft mark;
+        refuse when the model cannot fit under the ceiling even then."""
+        if estimate is None:
+            return  # a repository not downloaded yet: the enforcer handles what follows
+        readings, limits = self.measure()
+        usage = readings.process_bytes - readings.pool_bytes
+        victims = [e for e in self.pool.lru() if e is not entry and not e.pinned
+                   and not e.busy]
+        while usage + estimate > limits.soft_bytes and victims:
+            victim = victims.pop(0)
+            log.info("evicting %s to make room for %s", victim.model_id, entry.model_id)
+            with tracer().start_as_current_span(names.SPAN_EVICT) as span:
+                span.set_attribute(names.ATTR_MODEL, victim.model_id)
+                span.set_attribute(names.ATTR_REASON, f"make_room_for:{entry.model_id}")
+                result = await self.pool.unload(victim.model_id, force=True,
+                                                reason=f"make room for {entry.model_id}")
+                span.set_attribute(names.ATTR_BYTES_FREED, result.freed_bytes)
+            if self.sink is not None:
+                self.sink.on_load_eviction(victim.model_id, entry.model_id, result.freed_bytes)
+            usage -= max(result.freed_bytes, victim.measured_bytes)
+        if usage + estimate > limits.ceiling_bytes:
+            raise ResourceExhausted(
+                f"model '{entry.model_id}' needs about {estimate} bytes; usage {usage} + "
+                f"that exceeds the ceiling {limits.ceiling_bytes} ({limits.binding_term})",
+                reason="MEMORY_PRESSURE",
+                retry_after_s=10.0,
+                metadata={"estimated_bytes": str(estimate), "usage_bytes": str(usage),
+                          "ceiling_bytes": str(limits.ceiling_bytes),
+                          "binding_term": limits.binding_term},
+            )
+
+    # -- pins -------------------------------------------------------------------------------
+    async def pin_model(self, model_id: str, owner: str, ttl_s: float | None):
+        try:
+            entry = self.pool.get(model_id)
+        except NotFound:
+            entry = None
+        if entry is None or entry.state == ModelState.UNLOADED:
+            # Pinning an unloaded model loads it: by id when known, else as a source.
+            source = entry.source if entry is not None else model_id
+            entry = await self.load_model(source, entry.model_id if entry else "")
+        lease = self.model_leases.pin(entry.model_id, owner, ttl_s)
+        self._recount_pins(entry.model_id)
+        return lease
+
+    def pin_session(self, session_id: str, owner: str, ttl_s: float | None):
+        return self.session_pins.pin(session_id, owner, ttl_s)
+
+    def unpin(self, lease_id: str):
+        lease = self.model_leases.unpin(lease_id)
+        if lease is not None:
+            self._recount_pins(lease.model_id)
+            return lease
+        pin = self.session_pins.unpin(lease_id)
+        if pin is None:
+            raise NotFound(f"lease '{lease_id}' is not held (expired or never taken)",
+                           "lease")
+        return pin
+
+    # -- Generate ----------------------------------------------------------------------------
     def prepare(self, spec: GenerateSpec) -> tuple[ModelEntry, GenerationRequest]:
         """Resolve, tokenize and validate; raises a PlimsollError naming the field."""
         if self.draining:
@@ -112,6 +336,66 @@ class Runtime:
         )
         return entry, request
 
+    def _admission_inputs(self, entry: ModelEntry, request: GenerationRequest,
+                          ticket: str = "") -> AdmissionInputs:
+        readings, limits = self.measure()
+        protect = self._protected_sessions()
+        figs = bank_figures(self.bank, entry.model_id, request.prompt_tokens,
+                            protect_session_ids=protect)
+        miss = max(1, len(request.prompt_tokens) - figs.restore_prefix_tokens)
+        step = self.pool.settings.prefill_step_size
+        return AdmissionInputs(
+            usage_bytes=readings.process_bytes,
+            pool_bytes=readings.pool_bytes,
+            ceiling_bytes=limits.ceiling_bytes,
+            threshold_bytes=limits.hard_bytes,
+            prompt_tokens=len(request.prompt_tokens) + request.max_tokens,
+            reusable_prefix_tokens=figs.restore_prefix_tokens,
+            kv_bytes_per_token=entry.kv_bytes_per_token,
+            # Attention scratch for one prefill chunk: a few KV-sized rows per token.
+            prefill_transient_bytes=min(miss, step) * entry.kv_bytes_per_token * 4,
+            reserved_bytes=self.reservations.reserved_bytes(excluding=ticket or None),
+            level=int(self.level),
+            admitted_in_flight=self.queue.in_flight,
+            queue_depth=self.queue.waiting,
+            queue_limit=self.settings.admission_queue_limit,
+            chain_shed_enabled=self.settings.chain_shed,
+            scheduler_mode=self.settings.scheduler_mode,
+            floor_bytes=sum(e.measured_bytes for e in self.pool.entries()
+                            if e.state == ModelState.READY),
+            bank=figs,
+        )
+
+    def _protected_sessions(self) -> tuple[str, ...]:
+        # Pinned sessions are never shed, except in emergency.
+        if self.level >= PressureLevel.EMERGENCY:
+            return ()
+        return tuple(self.session_pins.active_ids())
+
+    def _reclaim_pool(self) -> int:
+        """Runs in a worker thread: each engine drains its own MLX pool."""
+        return sum(e.engine.reclaim_now() for e in self.pool.entries() if e.engine is not None)
+
+    def admit(self, spec: GenerateSpec, reserve: bool, ttl_s: float | None) -> AdmitReport:
+        """ControlService.Admit: the same decision Generate makes, without running it."""
+        entry, request = self.prepare(spec)
+        if self.enforcer is None:
+            inputs = AdmissionInputs(usage_bytes=0, ceiling_bytes=2**62,
+                                     threshold_bytes=2**62, prompt_tokens=1,
+                                     kv_bytes_per_token=0, level=1)
+        else:
+            inputs = self._admission_inputs(entry, request)
+        d = decide(inputs)
+        preview = preview_shed(d, self.bank, model=entry.model_id,
+                               prompt_tokens=request.prompt_tokens,
+                               protect_session_ids=self._protected_sessions())
+        report = AdmitReport(d, int(self.level), preview.entries, preview.bytes)
+        if reserve and d.admits:
+            ticket = self.reservations.reserve(d.request_bytes, entry.model_id, ttl_s)
+            report.ticket = ticket.ticket
+            report.ticket_expires_at = time.time() + (ticket.expires_at - time.monotonic())
+        return report
+
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[Admitted | Event]:
         entry, request = self.prepare(spec)
         if self.in_flight >= self.settings.max_queued_requests:
@@ -123,48 +407,128 @@ class Runtime:
                 metadata={"in_flight": str(self.in_flight),
                           "limit": str(self.settings.max_queued_requests)},
             )
-        engine = entry.engine
-        sink: asyncio.Queue[Event] = asyncio.Queue()
+        if spec.admission_ticket and self.reservations.redeem(spec.admission_ticket) is None:
+            raise NotFound(f"admission_ticket '{spec.admission_ticket}' is unknown or expired",
+                           "admission_ticket")
+        if self.enforcer:
+            self.enforcer.wake(active=True)
         with tracer().start_as_current_span(names.SPAN_GENERATE) as span:
             span.set_attribute(names.ATTR_REQUEST_ID, request.request_id)
             span.set_attribute(names.ATTR_MODEL, entry.model_id)
             span.set_attribute(names.ATTR_PROMPT_TOKENS, len(request.prompt_tokens))
-            self.pool.acquire(entry)
             self.in_flight += 1
-            done = False
+            self.pool.acquire(entry)
+            session = request.session_id or None
+            self.active_sessions.begin(session)
+            slot = None
             try:
-                engine.submit(request, sink)
-                yield Admitted(request.request_id, entry.model_id, len(request.prompt_tokens),
-                               0, self.pressure_level())
-                pending: Event | None = None
-                while True:
-                    event = pending or await sink.get()
-                    pending = None
-                    if isinstance(event, Chunk):
-                        # Coalesce what queued up while the client was reading.
-                        limit = request.max_tokens_per_chunk or DEFAULT_CHUNK_TOKENS
-                        while not sink.empty() and len(event.token_ids) < limit:
-                            nxt = sink.get_nowait()
-                            if not isinstance(nxt, Chunk):
-                                pending = nxt
-                                break
-                            event = Chunk(event.token_ids + nxt.token_ids, event.text + nxt.text)
-                        yield event
-                        continue
-                    done = True
-                    if isinstance(event, Failed):
-                        span.set_attribute(names.ATTR_REASON, str(event.error))
-                        raise event.error
-                    span.set_attribute(names.ATTR_FINISH_REASON, event.reason.value)
-                    span.set_attribute(names.ATTR_COMPLETION_TOKENS, event.completion_tokens)
+                slot = await self._wait_for_slot()
+                cache, cached = await self._admit_and_restore(entry, request)
+                span.set_attribute(names.ATTR_CACHED_TOKENS, cached)
+                async for event in self._stream(entry, request, cache, cached, span):
                     yield event
-                    return
             finally:
+                if slot is not None:
+                    slot.release()
+                self.active_sessions.end(session)
                 self.in_flight -= 1
                 self.pool.release(entry)
-                if not done:
-                    # The client cancelled or its deadline passed: free the batch slot.
-                    engine.cancel(request.request_id)
+
+    async def _wait_for_slot(self):
+        result = await self.queue.acquire(self.settings.admission_timeout_s)
+        if result.outcome is QueueOutcome.ADMITTED:
+            return result.slot
+        full = result.outcome is QueueOutcome.QUEUE_FULL
+        raise ResourceExhausted(
+            ("admission queue is full" if full else
+             f"waited {result.waited_s:.1f}s for admission ({result.binding})")
+            + f"; level {self.level.label}",
+            reason="QUEUE_FULL" if full else "MEMORY_PRESSURE",
+            retry_after_s=result.retry_after_s or 1.0,
+            metadata={"binding": result.binding or "", "level": self.level.label,
+                      "waiting": str(self.queue.waiting)},
+        )
+
+    async def _admit_and_restore(self, entry: ModelEntry, request: GenerationRequest):
+        if self.enforcer is not None:
+            inputs = self._admission_inputs(entry, request)
+            decision = decide(inputs)
+            if not decision.admits or decision.shed:
+                outcome = await asyncio.to_thread(
+                    run_admission, decision, self.bank, self._reclaim_pool,
+                    lambda: self.measure()[0].process_bytes,
+                    model=entry.model_id, prompt_tokens=request.prompt_tokens,
+                    protect_session_ids=self._protected_sessions(),
+                )
+                if not outcome.admitted:
+                    numbers = {k: str(v) for k, v in outcome.numbers.items()}
+                    raise ResourceExhausted(
+                        f"refused before prefill: {outcome.reason or decision.reason}",
+                        reason=outcome.error_reason or "MEMORY_PRESSURE",
+                        retry_after_s=outcome.retry_after_s or 2.0,
+                        metadata={"binding": outcome.binding or "", **numbers},
+                    )
+        if not (self.settings.session_bank and request.session_id):
+            return None, 0
+        restored: SessionEntry | None = self.bank.longest_prefix(entry.model_id,
+                                                                 request.prompt_tokens)
+        if restored is None:
+            return None, 0
+        return restored.payload, restored.prefix_len
+
+    async def _stream(self, entry, request, cache, cached, span):
+        engine = entry.engine
+        if engine is None:
+            raise Unavailable(f"model '{entry.model_id}' was unloaded", retry_after_s=1.0)
+        sink: asyncio.Queue[Event] = asyncio.Queue()
+        done = False
+        try:
+            engine.submit(request, sink, cache, cached)
+            yield Admitted(request.request_id, entry.model_id, len(request.prompt_tokens),
+                           cached, self.pressure_level())
+            pending: Event | None = None
+            while True:
+                event = pending or await sink.get()
+                pending = None
+                if isinstance(event, Chunk):
+                    # Coalesce what queued up while the client was reading.
+                    limit = request.max_tokens_per_chunk or DEFAULT_CHUNK_TOKENS
+                    while not sink.empty() and len(event.token_ids) < limit:
+                        nxt = sink.get_nowait()
+                        if not isinstance(nxt, Chunk):
+                            pending = nxt
+                            break
+                        event = Chunk(event.token_ids + nxt.token_ids, event.text + nxt.text)
+                    yield event
+                    continue
+                done = True
+                if isinstance(event, Failed):
+                    span.set_attribute(names.ATTR_REASON, str(event.error))
+                    raise event.error
+                span.set_attribute(names.ATTR_FINISH_REASON, event.reason.value)
+                span.set_attribute(names.ATTR_COMPLETION_TOKENS, event.completion_tokens)
+                yield event
+                return
+        finally:
+            if not done:
+                # The client cancelled or its deadline passed: free the batch slot.
+                engine.cancel(request.request_id)
+
+    # -- sessions -------------------------------------------------------------------------
+    def _store_session(self, request: GenerationRequest, cache: list, tokens: list[int]) -> None:
+        """On the engine thread, when a session's turn ends: keep its terminal snapshot."""
+        if not (self.settings.session_bank and request.session_id and tokens):
+            return
+        nbytes = sum(c.nbytes for c in cache)
+        self.bank.put(SessionEntry(model=request.model_id, tokens=tuple(tokens),
+                                   session_id=request.session_id, payload=cache,
+                                   nbytes=nbytes))
+
+    def drop_session(self, session_id: str) -> tuple[int, int]:
+        entries, freed = self.bank.drop_session(session_id)
+        if not entries:
+            raise NotFound(f"session '{session_id}' has no cached entries", "session_id")
+        return entries, freed
 
 
 def tokenize(tokenizer, spec: GenerateSpec) -> list[int]:
@@ -193,3 +557,6 @@ def tokenize(tokenizer, spec: GenerateSpec) -> list[int]:
                               "chat")
     messages = [{"role": m.role, "content": m.content} for m in spec.chat]
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+__all__ = ["Admitted", "GenerateSpec", "PlimsollError", "Runtime", "RuntimeSettings"]

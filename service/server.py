@@ -17,9 +17,11 @@ from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 from engine.demo_models import ensure_demo_model
 from engine.model_engine import EngineSettings
 from engine.pool import ModelPool
+from memory.config import MemoryConfig
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from service.control_servicer import ControlServicer
 from service.inference_servicer import InferenceServicer
+from service.pressure_broker import PressureBroker, PressurePublisher
 from service.runtime import Runtime, RuntimeSettings
 from telemetry.setup import TelemetrySettings, setup
 
@@ -41,6 +43,7 @@ class ServerConfig:
     drain_grace_s: float = 30.0
     engine: EngineSettings = field(default_factory=EngineSettings)
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
 
 
@@ -65,13 +68,16 @@ class PlimsollServer:
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None
         self.runtime: Runtime | None = None
+        self.broker = PressureBroker()
+        self._enforcer_task: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
         setup(self.config.telemetry)
         loop = asyncio.get_running_loop()
         pool = ModelPool(loop, self.config.engine)
-        self.runtime = Runtime(pool, self.config.runtime)
+        self.runtime = Runtime(pool, self.config.runtime, self.config.memory,
+                               sink=PressurePublisher(self.broker))
         pool.listeners.append(self._on_pool_change)
         server = grpc.aio.server(
             # Health and reflection stay untraced: they are noise, and their aio
@@ -86,7 +92,7 @@ class PlimsollServer:
             InferenceServicer(self.runtime, self.config.max_message_bytes), server
         )
         control_pb2_grpc.add_ControlServiceServicer_to_server(
-            ControlServicer(self.runtime), server
+            ControlServicer(self.runtime, self.broker), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -102,6 +108,8 @@ class PlimsollServer:
             raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
         await server.start()
         self._server = server
+        if self.runtime.enforcer is not None:
+            self._enforcer_task = asyncio.create_task(self.runtime.enforcer.run())
         log.info("listening on %s:%d", self.config.host, self.port)
         return self.port
 
@@ -134,8 +142,13 @@ class PlimsollServer:
         log.info("draining: %d request(s) in flight", self.runtime.in_flight)
         self.runtime.draining = True
         await self.health.enter_graceful_shutdown()
+        self.broker.close_all()  # watch streams end; in-flight Generates finish
         if self._server is not None:
             await self._server.stop(self.config.drain_grace_s)
+        if self.runtime.enforcer is not None:
+            self.runtime.enforcer.stop()
+        if self._enforcer_task is not None:
+            self._enforcer_task.cancel()
         await self.runtime.pool.close()
         self._stopped.set()
 

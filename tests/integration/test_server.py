@@ -153,7 +153,7 @@ def test_cli_errors_are_one_line(server):
     assert r.stderr.strip() == "plimsoll: cannot reach a server at 127.0.0.1:1"
     r = cli("serve", "--max-num-seqs", "0")
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "--max-num-seqs must be > 0" in r.stderr
+    assert "--max-num-seqs must be" in r.stderr
 
 
 def test_cli_help_explains_every_option():
