@@ -39,6 +39,7 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
 
     # -- models ---------------------------------------------------------------------
     async def ListModels(self, request, context):
+        self._runtime.expire_leases()
         return control_pb2.ListModelsResponse(
             models=[convert.model_to_wire(e) for e in self._runtime.pool.entries()]
         )
@@ -151,6 +152,7 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
 
     async def GetMemoryStatus(self, request, context):
         rt = self._runtime
+        rt.expire_leases()
         snap = self._snapshot()
         leases = [convert.model_lease_to_wire(x) for x in rt.model_leases.leases()]
         leases += [convert.session_pin_to_wire(p) for p in rt.session_pins.leases()]

@@ -21,7 +21,7 @@ from plimsoll.v1 import control_pb2
 DEFAULT_CAPACITY = 1024
 
 
-@dataclass
+@dataclass(eq=False)  # identity-hashed: subscribers live in a set
 class Subscriber:
     include_samples: bool
     include_actions: bool

@@ -165,6 +165,8 @@ class Runtime:
                 sink=self,
             )
             pool.load_guard = self._make_room_for_load
+            # A load or unload changes the cadence (30 s empty, 10 s idle, 1 s busy).
+            pool.listeners.append(self.enforcer.wake)
         pool.on_finish_hook = self._store_session
 
     # -- memory figures ---------------------------------------------------------------
@@ -220,6 +222,9 @@ class Runtime:
                 bank_idle_max=self.settings.bank_max_bytes))
         if self.sink is not None:
             self.sink.on_sample(sample)
+
+    def expire_leases(self) -> None:
+        self._expire_leases()
 
     def _expire_leases(self) -> None:
         for lease in self.model_leases.expire():
@@ -292,10 +297,18 @@ class Runtime:
             entry = await self.load_model(source, entry.model_id if entry else "")
         lease = self.model_leases.pin(entry.model_id, owner, ttl_s)
         self._recount_pins(entry.model_id)
+        self._expire_after(ttl_s)
         return lease
 
     def pin_session(self, session_id: str, owner: str, ttl_s: float | None):
-        return self.session_pins.pin(session_id, owner, ttl_s)
+        pin = self.session_pins.pin(session_id, owner, ttl_s)
+        self._expire_after(ttl_s)
+        return pin
+
+    def _expire_after(self, ttl_s: float | None) -> None:
+        # An expired lease unpins on time, not at the next (maybe 10 s away) tick.
+        if ttl_s:
+            asyncio.get_running_loop().call_later(ttl_s + 0.01, self._expire_leases)
 
     def unpin(self, lease_id: str):
         lease = self.model_leases.unpin(lease_id)
@@ -337,7 +350,9 @@ class Runtime:
         return entry, request
 
     def _admission_inputs(self, entry: ModelEntry, request: GenerationRequest,
-                          ticket: str = "") -> AdmissionInputs:
+                          holds_slot: bool = False) -> AdmissionInputs:
+        """`holds_slot`: Generate already passed the queue's gate (pause, hyper cap), so
+        only memory is left to decide; Admit asks the gate too."""
         readings, limits = self.measure()
         protect = self._protected_sessions()
         figs = bank_figures(self.bank, entry.model_id, request.prompt_tokens,
@@ -354,9 +369,9 @@ class Runtime:
             kv_bytes_per_token=entry.kv_bytes_per_token,
             # Attention scratch for one prefill chunk: a few KV-sized rows per token.
             prefill_transient_bytes=min(miss, step) * entry.kv_bytes_per_token * 4,
-            reserved_bytes=self.reservations.reserved_bytes(excluding=ticket or None),
+            reserved_bytes=self.reservations.reserved_bytes(),
             level=int(self.level),
-            admitted_in_flight=self.queue.in_flight,
+            admitted_in_flight=0 if holds_slot else self.queue.in_flight,
             queue_depth=self.queue.waiting,
             queue_limit=self.settings.admission_queue_limit,
             chain_shed_enabled=self.settings.chain_shed,
@@ -451,7 +466,7 @@ class Runtime:
 
     async def _admit_and_restore(self, entry: ModelEntry, request: GenerationRequest):
         if self.enforcer is not None:
-            inputs = self._admission_inputs(entry, request)
+            inputs = self._admission_inputs(entry, request, holds_slot=True)
             decision = decide(inputs)
             if not decision.admits or decision.shed:
                 outcome = await asyncio.to_thread(

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -45,6 +46,31 @@ class ServerConfig:
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
+
+
+class _MethodAwarePool:
+    """The default descriptor pool, able to find the file of a method symbol.
+
+    upb's `FindFileContainingSymbol` does not know method names
+    (grpc/grpc#34743), so `grpcurl describe pkg.Service.Method` would answer
+    "Symbol not found"; fall back to the service that owns the method.
+    """
+
+    def __init__(self) -> None:
+        self._pool = descriptor_pool.Default()
+
+    def __getattr__(self, name: str):
+        return getattr(self._pool, name)
+
+    def FindFileContainingSymbol(self, symbol: str):  # noqa: N802 - protobuf's name
+        try:
+            return self._pool.FindFileContainingSymbol(symbol)
+        except KeyError:
+            service, _, method = symbol.rpartition(".")
+            svc = self._pool.FindServiceByName(service)  # KeyError when unknown too
+            if method not in svc.methods_by_name:
+                raise
+            return svc.file
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -99,6 +125,7 @@ class PlimsollServer:
             (INFERENCE, CONTROL, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME),
             server,
+            pool=_MethodAwarePool(),
         )
         for name in ("", INFERENCE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -1,0 +1,230 @@
+"""ControlService over real gRPC: pins, WatchPressure, GetMemoryStatus, Admit, sessions."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2
+
+from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
+from tests.conftest import start_server
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory, demo_path):
+    # A custom ceiling far above what the tiny model needs: everything stays ok.
+    s = start_server(tmp_path_factory.mktemp("control"), "--memory-guard-gb", "8",
+                     "--poll-active", "0.2")
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def stubs(srv):
+    with srv.channel() as ch:
+        yield (control_pb2_grpc.ControlServiceStub(ch),
+               inference_pb2_grpc.InferenceServiceStub(ch))
+
+
+def ttl(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+def test_memory_status_reports_readings_limits_models(stubs):
+    control, _ = stubs
+    st = control.GetMemoryStatus(control_pb2.GetMemoryStatusRequest())
+    assert st.enforcer_enabled
+    assert st.level == 1  # ok
+    assert st.readings.process_bytes > 50 * MiB
+    assert st.readings.system_total_bytes > st.readings.process_bytes
+    assert st.readings.sources["footprint"]
+    assert st.limits.tier == "custom"
+    assert st.limits.ceiling_bytes == 8 * 2**30
+    assert st.limits.binding_term == "custom"
+    assert st.limits.soft_bytes < st.limits.hard_bytes < st.limits.ceiling_bytes
+    assert st.limits.hard_bytes == int(st.limits.ceiling_bytes * 0.95)
+    [model] = [m for m in st.models if m.id == "demo-tiny"]
+    assert model.measured_bytes > 0 and model.batch_cap == 32
+    assert st.poll_interval_seconds > 0
+
+
+def test_pin_and_unpin_model(stubs):
+    control, _ = stubs
+    lease = control.Pin(control_pb2.PinRequest(model="demo-tiny", owner="test")).lease
+    assert lease.lease_id and lease.model == "demo-tiny" and lease.owner == "test"
+    models = {m.id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    assert models["demo-tiny"].pinned
+    st = control.GetMemoryStatus(control_pb2.GetMemoryStatusRequest())
+    assert lease.lease_id in {x.lease_id for x in st.leases}
+    control.Unpin(control_pb2.UnpinRequest(lease_id=lease.lease_id))
+    models = {m.id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    assert not models["demo-tiny"].pinned
+    with pytest.raises(grpc.RpcError) as info:
+        control.Unpin(control_pb2.UnpinRequest(lease_id=lease.lease_id))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_expired_lease_unpins(stubs):
+    control, _ = stubs
+    lease = control.Pin(control_pb2.PinRequest(model="demo-tiny", ttl=ttl(0.5))).lease
+    assert lease.HasField("expires_at")
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        models = {m.id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+        if not models["demo-tiny"].pinned:
+            break
+        time.sleep(0.2)
+    assert not models["demo-tiny"].pinned
+
+
+def test_pin_unloaded_model_loads_it(stubs, demo_path):
+    control, inference = stubs
+    control.LoadModel(control_pb2.LoadModelRequest(source=str(demo_path), id="pinme"),
+                      timeout=120)
+    control.UnloadModel(control_pb2.UnloadModelRequest(id="pinme"))
+    lease = control.Pin(control_pb2.PinRequest(model="pinme", owner="t"), timeout=120).lease
+    models = {m.id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    assert models["pinme"].state == control_pb2.MODEL_STATE_READY and models["pinme"].pinned
+    control.Unpin(control_pb2.UnpinRequest(lease_id=lease.lease_id))
+    control.UnloadModel(control_pb2.UnloadModelRequest(id="pinme"))
+
+
+def test_pin_bad_input(stubs):
+    control, _ = stubs
+    with pytest.raises(grpc.RpcError) as info:
+        control.Pin(control_pb2.PinRequest(owner="nobody"))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as info:
+        control.Pin(control_pb2.PinRequest(model="/no/such/model"), timeout=60)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_watch_pressure_snapshot_samples_sequence(srv):
+    with srv.channel() as ch:
+        control = control_pb2_grpc.ControlServiceStub(ch)
+        call = control.WatchPressure(control_pb2.WatchPressureRequest(include_samples=True),
+                                     timeout=30)
+        msgs = []
+        for m in call:
+            msgs.append(m)
+            if len(msgs) == 4:
+                break
+        call.cancel()
+    assert msgs[0].WhichOneof("event") == "snapshot"
+    assert msgs[0].snapshot.level == 1
+    assert msgs[0].snapshot.limits.ceiling_bytes == 8 * 2**30
+    assert [m.sequence for m in msgs] == [1, 2, 3, 4]
+    assert all(m.WhichOneof("event") == "sample" for m in msgs[1:])
+
+
+def test_admit_agrees_with_generate(stubs):
+    control, inference = stubs
+    req = inference_pb2.GenerateRequest(text="admit me", max_tokens=8, ignore_eos=True)
+    resp = control.Admit(control_pb2.AdmitRequest(request=req, reserve=True,
+                                                  reservation_ttl=ttl(10)))
+    assert resp.verdict == control_pb2.ADMIT_VERDICT_ADMIT
+    assert resp.projected_bytes > 0 and resp.headroom_bytes > 0
+    assert resp.ticket and resp.HasField("ticket_expires_at")
+    req.admission_ticket = resp.ticket
+    out = list(inference.Generate(req, timeout=60))
+    assert out[-1].end.usage.completion_tokens == 8
+    # A ticket is single use.
+    with pytest.raises(grpc.RpcError) as info:
+        list(inference.Generate(req, timeout=60))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+    # Admit validates like Generate.
+    with pytest.raises(grpc.RpcError) as info:
+        control.Admit(control_pb2.AdmitRequest(
+            request=inference_pb2.GenerateRequest(text="x", model="nope")))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_session_reuses_prefix_and_matches_cold(stubs):
+    control, inference = stubs
+    turn1 = list(range(10, 60))
+    first = list(inference.Generate(inference_pb2.GenerateRequest(
+        token_ids=inference_pb2.TokenIds(ids=turn1), max_tokens=12, ignore_eos=True,
+        session_id="conv-1"), timeout=60))
+    assert first[0].start.cached_tokens == 0
+    gen1 = [t for m in first if m.WhichOneof("event") == "chunk" for t in m.chunk.token_ids]
+    turn2 = turn1 + gen1 + list(range(100, 130))
+    warm = list(inference.Generate(inference_pb2.GenerateRequest(
+        token_ids=inference_pb2.TokenIds(ids=turn2), max_tokens=12, ignore_eos=True,
+        session_id="conv-1"), timeout=60))
+    # The stored cache holds the whole first turn: its prompt and every generated token.
+    assert warm[0].start.cached_tokens == len(turn1) + len(gen1)
+    assert warm[-1].end.usage.cached_tokens == warm[0].start.cached_tokens
+    cold = list(inference.Generate(inference_pb2.GenerateRequest(
+        token_ids=inference_pb2.TokenIds(ids=turn2), max_tokens=12, ignore_eos=True),
+        timeout=60))
+    assert cold[0].start.cached_tokens == 0
+
+    def toks(msgs):
+        return [t for m in msgs if m.WhichOneof("event") == "chunk" for t in m.chunk.token_ids]
+
+    assert toks(warm) == toks(cold)
+    sessions = control.ListSessions(control_pb2.ListSessionsRequest()).sessions
+    [conv] = [s for s in sessions if s.session_id == "conv-1"]
+    assert conv.bytes > 0 and any(e.terminal for e in conv.entries)
+    dropped = control.DropSession(control_pb2.DropSessionRequest(session_id="conv-1"))
+    assert dropped.entries_dropped >= 1 and dropped.bytes_freed > 0
+    with pytest.raises(grpc.RpcError) as info:
+        control.DropSession(control_pb2.DropSessionRequest(session_id="conv-1"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_pin_session_shows_pinned(stubs):
+    control, inference = stubs
+    list(inference.Generate(inference_pb2.GenerateRequest(
+        text="pin my session", max_tokens=4, ignore_eos=True, session_id="conv-pin"),
+        timeout=60))
+    lease = control.Pin(control_pb2.PinRequest(session_id="conv-pin", owner="t")).lease
+    sessions = {s.session_id: s for s in
+                control.ListSessions(control_pb2.ListSessionsRequest()).sessions}
+    assert sessions["conv-pin"].pinned and sessions["conv-pin"].active
+    control.Unpin(control_pb2.UnpinRequest(lease_id=lease.lease_id))
+
+
+def test_hyper_mode_admits_one_at_a_time(tmp_path, demo_path):
+    s = start_server(tmp_path, "--scheduler-mode", "hyper", "--max-num-seqs", "1")
+    try:
+        with s.channel() as ch:
+            control = control_pb2_grpc.ControlServiceStub(ch)
+            inference = inference_pb2_grpc.InferenceServiceStub(ch)
+            started = threading.Event()
+
+            def long() -> None:
+                for _m in inference.Generate(inference_pb2.GenerateRequest(
+                        text="a", max_tokens=400, ignore_eos=True), timeout=60):
+                    started.set()
+
+            t = threading.Thread(target=long)
+            t.start()
+            assert started.wait(30)
+            resp = control.Admit(control_pb2.AdmitRequest(
+                request=inference_pb2.GenerateRequest(text="b", max_tokens=4)))
+            assert resp.verdict == control_pb2.ADMIT_VERDICT_WAIT
+            assert resp.binding_constraint == "hyper_cap"
+            t.join(60)
+    finally:
+        s.stop()
+
+
+def test_hyper_mode_refuses_wider_settings_at_start(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--scheduler-mode",
+                        "hyper", "--max-num-seqs", "4"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1
+    assert "max-num-seqs" in r.stderr and "Traceback" not in r.stderr
