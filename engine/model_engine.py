@@ -17,12 +17,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from engine.errors import Aborted, PlimsollError, Unavailable
+from engine.errors import Aborted, PlimsollError, ResourceExhausted, Unavailable
 from engine.loading import LoadedModel, ModelFacts, load_model
 from engine.request import (
     Chunk,
@@ -59,6 +59,7 @@ class _Live:
     inserted_at: float
     first_token_at: float | None = None
     generated: int = 0
+    prefilled: int = 0  # prompt tokens processed so far (cached ones excluded)
 
 
 @dataclass
@@ -91,6 +92,18 @@ class _Cancel:
 
 
 FinishHook = Callable[[GenerationRequest, list[Any], list[int]], None]
+
+
+class PrefillPlanner(Protocol):
+    """Sizes prefill chunks against the memory ceiling (set by the service)."""
+
+    def plan(self, mlx_active_bytes: int, remaining_tokens: int) -> tuple[int, bool]:
+        """(tokens for the next chunk, whether to abort before it)."""
+        ...
+
+    def observe(self, tokens: int, bytes_delta: int) -> None:
+        """What a chunk of `tokens` cost in MLX active memory."""
+        ...
 
 
 class ModelEngine:
@@ -128,6 +141,7 @@ class ModelEngine:
         # tick (down under pressure, back to max_num_seqs at ok). Inserts beyond it wait.
         self.batch_cap = self.settings.max_num_seqs
         self._held: list[_Insert] = []
+        self.prefill_planner: PrefillPlanner | None = None
         self._reclaim_waiters: list[threading.Event] = []
         self._last_reclaimed = 0
 
@@ -232,7 +246,10 @@ class ModelEngine:
                 self._drain_inbox(gen, live, by_id, outbox, eos, no_stop,
                                   block=not live and not self._held)
                 if live and not self._stop:
-                    _, responses = gen.next()
+                    prefill = self._plan_prefill(gen, live, by_id, outbox)
+                    before = mx.get_active_memory() if prefill else 0
+                    prompt_responses, responses = gen.next()
+                    self._track_prefill(prompt_responses, live, prefill, before)
                     self._publish_step(gen, responses, live, by_id, outbox)
                     if not live:
                         # Batch drained: give freed buffers back (tests and operators
@@ -386,6 +403,46 @@ class ModelEngine:
                 live.pop(f.uid, None)
                 by_id.pop(f.request.request_id, None)
         self._refresh_stats(live)
+
+    def _plan_prefill(self, gen, live, by_id, outbox) -> int:
+        """Before a step that prefills: size the chunk to the headroom, or abort the
+        youngest prefilling request when even the smallest chunk would cross the
+        pre-chunk abort margin. Returns the tokens the step may prefill."""
+        planner = self.prefill_planner
+        prefilling = [i for i in live.values() if i.first_token_at is None]
+        if planner is None or not prefilling:
+            return 0
+        remaining = sum(len(i.request.prompt_tokens) - i.cached_tokens - i.prefilled
+                        for i in prefilling)
+        if remaining <= 0:
+            return 0
+        chunk, abort = planner.plan(mx.get_active_memory(), remaining)
+        if abort:
+            victim = max(prefilling, key=lambda i: i.request.created_at)
+            error = ResourceExhausted(
+                f"prefill of {len(victim.request.prompt_tokens)} tokens would cross the "
+                "memory ceiling's pre-chunk abort margin",
+                reason="PREFILL_EXCEEDS_CEILING",
+                retry_after_s=5.0,
+                metadata={"prompt_tokens": str(len(victim.request.prompt_tokens)),
+                          "model": self.model_id},
+            )
+            self._cancel(gen, _Cancel([victim.request.request_id], error), live, by_id,
+                         outbox)
+            return self._plan_prefill(gen, live, by_id, outbox)
+        gen.prefill_step_size = max(1, chunk)
+        return chunk
+
+    def _track_prefill(self, prompt_responses, live, planned: int, before: int) -> None:
+        processed = 0
+        for r in prompt_responses:
+            item = live.get(r.uid)
+            if item is not None and isinstance(r.progress, tuple):
+                done = r.progress[0]
+                processed += max(0, done - item.prefilled)
+                item.prefilled = done
+        if planned and processed and self.prefill_planner is not None:
+            self.prefill_planner.observe(processed, mx.get_active_memory() - before)
 
     def _finished(self, item: _Live, reason: FinishReason, now: float) -> Finished:
         first = item.first_token_at or now

@@ -13,7 +13,10 @@ from collections.abc import Callable, Sequence
 
 from engine.errors import Aborted
 from engine.pool import ModelEntry, ModelPool, ModelState
-from memory.levels import PressureLevel
+from memory.ceiling import Limits
+from memory.chunking import PrefillCostModel, plan_chunk, should_abort_before_chunk
+from memory.levels import PressureLevel, Tier
+from memory.readings import MemoryReadings
 from memory.store_cache import next_cap
 from memory.views import EngineState, EngineView, RequestView
 
@@ -136,3 +139,42 @@ class PoolAdapter:
         entry.pending_unload_reason = reason
         if not entry.busy:
             asyncio.ensure_future(self._pool.unload_if_pending(model_id))
+
+
+class PrefillGuard:
+    """`engine.model_engine.PrefillPlanner` over `memory.chunking`: chunk sizes shrink
+    as projected usage nears the tier's fraction of the stable abort cap.
+
+    The service refreshes the limits every enforcer tick; the engine thread asks for
+    a plan before each prefill step with its own MLX sample, so nothing here calls MLX.
+    """
+
+    def __init__(self, kv_bytes_per_token: int, min_chunk: int, max_chunk: int) -> None:
+        # Static floor: the KV itself plus attention scratch of a few rows per token.
+        self.cost = PrefillCostModel(static_bytes_per_token=max(1, kv_bytes_per_token * 4))
+        self.min_chunk = min_chunk
+        self.max_chunk = max_chunk
+        self.tier: Tier | None = None
+        self.abort_cap = 0
+        self.non_mlx_bytes = 0  # process usage beyond MLX active, at the last tick
+
+    def update(self, readings: MemoryReadings, limits: Limits) -> None:
+        self.non_mlx_bytes = max(0, readings.process_bytes - (readings.mlx_active_bytes or 0))
+        self.abort_cap = limits.abort_cap_bytes
+        self.tier = limits.tier
+
+    def plan(self, mlx_active_bytes: int, remaining_tokens: int) -> tuple[int, bool]:
+        if self.tier is None:
+            return min(self.max_chunk, remaining_tokens), False
+        usage = self.non_mlx_bytes + mlx_active_bytes
+        per_token = self.cost.bytes_per_token
+        chunk = plan_chunk(tier=self.tier, abort_cap_bytes=self.abort_cap, usage_bytes=usage,
+                           bytes_per_token=per_token, remaining_tokens=remaining_tokens,
+                           min_chunk=self.min_chunk, max_chunk=self.max_chunk)
+        abort = should_abort_before_chunk(tier=self.tier, abort_cap_bytes=self.abort_cap,
+                                          usage_bytes=usage, chunk_tokens=chunk,
+                                          bytes_per_token=per_token)
+        return chunk, abort
+
+    def observe(self, tokens: int, bytes_delta: int) -> None:
+        self.cost = self.cost.observe(tokens, bytes_delta)

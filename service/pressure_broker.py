@@ -31,8 +31,6 @@ class Subscriber:
     overflowed: bool = False
     closed: bool = False
     _sequence: int = 0
-    _sample_slot: int | None = None  # index in queue of the pending sample, if any
-    _base: int = 0  # queue index offset (items popped so far)
 
     def _next_sequence(self) -> int:
         self._sequence += 1
@@ -44,11 +42,10 @@ class Subscriber:
         if kind == "sample":
             if not self.include_samples:
                 return
-            if self._sample_slot is not None and self._sample_slot >= self._base:
-                # Coalesce: the queued sample is replaced, keeping its sequence number.
-                i = self._sample_slot - self._base
-                seq = self.queue[i].sequence
-                self.queue[i] = _response(seq, kind, payload, when)
+            if self.queue and self.queue[-1].WhichOneof("event") == "sample":
+                # Coalesce: a newer sample replaces the unsent one, keeping its number.
+                # Only the newest item: a sample never jumps ahead of a transition.
+                self.queue[-1] = _response(self.queue[-1].sequence, kind, payload, when)
                 return
         elif kind == "action" and not self.include_actions:
             return
@@ -56,19 +53,15 @@ class Subscriber:
             self.overflowed = True
             self.wakeup.set()
             return
-        if kind == "sample":
-            self._sample_slot = self._base + len(self.queue)
         self.queue.append(_response(self._next_sequence(), kind, payload, when))
         self.wakeup.set()
 
     def first(self, snapshot: control_pb2.PressureSnapshot,
               when: timestamp_pb2.Timestamp) -> None:
         self.queue.appendleft(_response(self._next_sequence(), "snapshot", snapshot, when))
-        self._base -= 1  # indices already recorded shift by one
         self.wakeup.set()
 
     def pop(self) -> control_pb2.WatchPressureResponse:
-        self._base += 1
         return self.queue.popleft()
 
     async def next(self) -> control_pb2.WatchPressureResponse | None:

@@ -41,7 +41,7 @@ from memory.config import MemoryConfig
 from memory.enforcer import MemoryEnforcer
 from memory.levels import PressureLevel
 from memory.readings import MemoryReader, MemoryReadings
-from service.enforcement import PoolAdapter
+from service.enforcement import PoolAdapter, PrefillGuard
 from service.leases import ModelLeases
 from sessions.activity import ActiveSessions, SessionPins
 from sessions.admission import (
@@ -59,6 +59,7 @@ from sessions.admission import (
 )
 from sessions.bank import SessionBank, SessionEntry
 from sessions.ceiling import bank_dynamic_ceiling, hold_to_ceiling
+from sessions.pressure_guard import PressureGuard, apply_pressure_actions
 from telemetry import names, tracer
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,8 @@ class Runtime:
             pool.load_guard = self._make_room_for_load
             # A load or unload changes the cadence (30 s empty, 10 s idle, 1 s busy).
             pool.listeners.append(self.enforcer.wake)
+            pool.listeners.append(self._attach_prefill_guards)
+        self.pressure_guard = PressureGuard()
         pool.on_finish_hook = self._store_session
 
     # -- memory figures ---------------------------------------------------------------
@@ -207,12 +210,29 @@ class Runtime:
         if self.sink is not None:
             self.sink.on_action(action, outcome)
 
+    def _attach_prefill_guards(self) -> None:
+        cfg = self.memory_config
+        for e in self.pool.entries():
+            if e.engine is not None and e.state == ModelState.READY \
+                    and e.engine.prefill_planner is None:
+                guard = PrefillGuard(e.kv_bytes_per_token, cfg.prefill_min_chunk_tokens,
+                                     min(cfg.prefill_max_chunk_tokens,
+                                         self.pool.settings.prefill_step_size))
+                if self.enforcer and self.enforcer.readings and self.enforcer.limits:
+                    guard.update(self.enforcer.readings, self.enforcer.limits)
+                e.engine.prefill_planner = guard
+
     def on_sample(self, sample) -> None:
         self.queue.set_level(int(sample.level))
+        for e in self.pool.entries():
+            planner = e.engine.prefill_planner if e.engine is not None else None
+            if isinstance(planner, PrefillGuard):
+                planner.update(sample.readings, sample.limits)
         self._expire_leases()
         self.reservations.expire()
         if self.settings.session_bank:
             self.bank.expire_idle()
+            self._os_pressure_guard(sample)
             weights = sum(e.measured_bytes for e in self.pool.entries()
                           if e.state == ModelState.READY)
             usage = sample.readings.process_bytes
@@ -225,6 +245,22 @@ class Runtime:
 
     def expire_leases(self) -> None:
         self._expire_leases()
+
+    def _os_pressure_guard(self, sample) -> None:
+        """The operating system's own pressure report drives the bank: warning → half
+        its budget, critical → zero, active sessions protected (with hysteresis)."""
+        busy = any(v.busy for v in sample.engines)
+        actions = self.pressure_guard.observe(sample.readings.os_pressure, sample.at,
+                                              budget_bytes=self.bank.effective_max_bytes,
+                                              busy=busy)
+        if actions:
+            apply_pressure_actions(actions, self.bank, reclaim_pool=self._flag_pool_reclaim)
+
+    def _flag_pool_reclaim(self) -> int:
+        for e in self.pool.entries():
+            if e.engine is not None:
+                e.engine.request_pressure_reclaim()
+        return 0
 
     def _expire_leases(self) -> None:
         for lease in self.model_leases.expire():
