@@ -45,6 +45,10 @@ class EngineSettings:
     max_num_seqs: int = 32
     prefill_batch_size: int = 8
     prefill_step_size: int = 512
+    # Steady token chunks go to the event loop at most this often; first tokens,
+    # ends and errors go at once. Fewer, larger messages cost the loop (and the GIL
+    # the engine thread needs) less per token; 0 sends every step.
+    stream_interval_s: float = 0.002
 
 
 @dataclass
@@ -142,6 +146,9 @@ class ModelEngine:
         self.batch_cap = self.settings.max_num_seqs
         self._held: list[_Insert] = []
         self.prefill_planner: PrefillPlanner | None = None
+        self._outbox: list[tuple[asyncio.Queue, Event]] = []
+        self._urgent = False
+        self._last_delivery = 0.0
         self._reclaim_waiters: list[threading.Event] = []
         self._last_reclaimed = 0
 
@@ -255,7 +262,7 @@ class ModelEngine:
                         # Batch drained: give freed buffers back (tests and operators
                         # expect memory to return to its baseline between bursts).
                         mx.clear_cache()
-                self._deliver(outbox)
+                self._deliver(outbox, flush=not live)
                 self._step_boundary(bool(live))
         finally:
             held = mx.get_active_memory()
@@ -267,7 +274,7 @@ class ModelEngine:
                 outbox.append((h.sink, Failed(err)))
             self._held.clear()
             self._fail_pending_inserts(err, outbox)
-            self._deliver(outbox)
+            self._deliver(outbox, flush=True)
             live.clear()
             by_id.clear()
             del gen, eos, no_stop
@@ -370,6 +377,7 @@ class ModelEngine:
             item.generated += 1
             if item.first_token_at is None:
                 item.first_token_at = now
+                self._urgent = True  # time to first token is never held back
             req = item.request
             is_eos = r.finish_reason == "stop" and r.token in eos_ids and not req.ignore_eos
             ids: list[int] = []
@@ -456,10 +464,20 @@ class ModelEngine:
             decode_seconds=now - first,
         )
 
-    def _deliver(self, outbox: list[tuple[asyncio.Queue, Event]]) -> None:
-        # One hop to the event loop per step, however many requests it touched.
-        if outbox:
-            self._loop.call_soon_threadsafe(_put_all, outbox)
+    def _deliver(self, outbox: list[tuple[asyncio.Queue, Event]], flush: bool) -> None:
+        # One hop to the event loop per delivery, however many requests it touched.
+        pending = self._outbox
+        pending.extend(outbox)
+        if not pending:
+            return
+        now = time.monotonic()
+        urgent = flush or self._urgent or any(not isinstance(e, Chunk) for _, e in outbox)
+        if not urgent and now - self._last_delivery < self.settings.stream_interval_s:
+            return
+        self._loop.call_soon_threadsafe(_put_all, pending)
+        self._outbox = []
+        self._urgent = False
+        self._last_delivery = now
 
     def _step_boundary(self, busy: bool) -> None:
         if self._pressure_reclaim:

@@ -143,6 +143,7 @@ class Runtime:
         self.in_flight = 0
 
         self.reader = MemoryReader()
+        self._measured: tuple[float, MemoryReadings, Limits] | None = None
         self.model_leases = ModelLeases()
         self.session_pins = SessionPins(time.monotonic)
         self.active_sessions = ActiveSessions(self.session_pins)
@@ -189,9 +190,15 @@ class Runtime:
                    and e.engine.stats.sampled_at]
         return max(samples) if samples else (0, 0)
 
-    def measure(self) -> tuple[MemoryReadings, Limits]:
+    def measure(self, max_age_s: float = 0.0) -> tuple[MemoryReadings, Limits]:
+        """Fresh readings and limits; `max_age_s` lets a burst of admissions share one."""
+        now = time.monotonic()
+        if self._measured is not None and now - self._measured[0] <= max_age_s:
+            return self._measured[1], self._measured[2]
         readings = self.reader.read(self._mlx_sample)
-        return readings, compute_limits(readings, self.memory_config)
+        limits = compute_limits(readings, self.memory_config)
+        self._measured = (now, readings, limits)
+        return readings, limits
 
     def figures(self) -> tuple[int, int]:
         """(usage, ceiling) of the latest tick, for abort statuses."""
@@ -389,7 +396,7 @@ class Runtime:
                           holds_slot: bool = False) -> AdmissionInputs:
         """`holds_slot`: Generate already passed the queue's gate (pause, hyper cap), so
         only memory is left to decide; Admit asks the gate too."""
-        readings, limits = self.measure()
+        readings, limits = self.measure(max_age_s=0.05)
         protect = self._protected_sessions()
         figs = bank_figures(self.bank, entry.model_id, request.prompt_tokens,
                             protect_session_ids=protect)
