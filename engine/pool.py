@@ -24,7 +24,7 @@ from engine.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from engine.loading import default_model_id, estimate_load_bytes
+from engine.loading import default_model_id, estimate_load_bytes, is_local
 from engine.model_engine import EngineSettings, FinishHook, ModelEngine
 from telemetry import names, tracer
 
@@ -218,8 +218,15 @@ class ModelPool:
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
                 if isinstance(exc, PlimsollError):
                     raise
-                raise NotFound(
-                    f"cannot load model from '{entry.source}': {exc}", "source"
+                if is_local(entry.source) or entry.source.startswith(("/", ".", "~")):
+                    raise NotFound(
+                        f"cannot load model from '{entry.source}': {exc}", "source"
+                    ) from exc
+                # A repository id: mlx-lm fetched it through huggingface_hub and failed.
+                raise Unavailable(
+                    f"cannot fetch repository '{entry.source}': "
+                    f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                    retry_after_s=30.0,
                 ) from exc
             entry.measured_bytes = info.measured_bytes or info.weights_bytes
             self._measured[entry.source] = entry.measured_bytes

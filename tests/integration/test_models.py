@@ -129,3 +129,29 @@ def test_lru_order_follows_use(stubs, demo_path):
     assert ms["lru-a"].last_used.ToNanoseconds() > ms["lru-b"].last_used.ToNanoseconds()
     for name in ("lru-a", "lru-b"):
         control.UnloadModel(control_pb2.UnloadModelRequest(id=name))
+
+
+def test_repository_id_takes_the_download_path(stubs):
+    """No network here: the real huggingface_hub path fails fast with UNAVAILABLE."""
+    control, _ = stubs
+    with pytest.raises(grpc.RpcError) as info:
+        control.LoadModel(control_pb2.LoadModelRequest(
+            source="mlx-community/Qwen3-0.6B-4bit"), timeout=120)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "mlx-community/Qwen3-0.6B-4bit" in info.value.details()
+
+
+def test_serve_several_models_from_flags(tmp_path, demo_path):
+    small = ensure_demo_model("small")
+    srv = start_server(tmp_path, "--model", str(demo_path), "--model", str(small))
+    try:
+        with srv.channel() as ch:
+            control = control_pb2_grpc.ControlServiceStub(ch)
+            inference = inference_pb2_grpc.InferenceServiceStub(ch)
+            ms = models(control)
+            assert set(ms) == {"tiny-v1", "small-v1"}
+            assert ms["tiny-v1"].is_default and not ms["small-v1"].is_default
+            assert generate(inference, "small-v1")[-1].end.usage.completion_tokens == 4
+            assert generate(inference, "")[0].start.model == "tiny-v1"
+    finally:
+        srv.stop()
