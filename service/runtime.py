@@ -172,6 +172,7 @@ class Runtime:
             pool.listeners.append(self._attach_prefill_guards)
         self.pressure_guard = PressureGuard()
         pool.on_finish_hook = self._store_session
+        pool.listeners.append(self._drop_sessions_of_unloaded_models)
 
     # -- memory figures ---------------------------------------------------------------
     @property
@@ -291,7 +292,6 @@ class Runtime:
 
     async def unload_model(self, model_id: str, force: bool):
         result = await self.pool.unload(model_id, force=force)
-        self.bank.drop_model(self.pool.get(model_id).model_id)
         if self.enforcer:
             self.enforcer.wake()
         return result
@@ -581,6 +581,13 @@ class Runtime:
         self.bank.put(SessionEntry(model=request.model_id, tokens=tuple(tokens),
                                    session_id=request.session_id, payload=cache,
                                    nbytes=nbytes))
+
+    def _drop_sessions_of_unloaded_models(self) -> None:
+        # KV snapshots are only good with the weights that made them; however a model
+        # went (UnloadModel, the enforcer, a pending unload), its cache goes too.
+        for e in self.pool.entries():
+            if e.state == ModelState.UNLOADED:
+                self.bank.drop_model(e.model_id)
 
     def drop_session(self, session_id: str) -> tuple[int, int]:
         entries, freed = self.bank.drop_session(session_id)
