@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from engine import allocator
 from engine.errors import Aborted, PlimsollError, ResourceExhausted, Unavailable
 from engine.loading import LoadedModel, ModelFacts, load_model
 from engine.request import (
@@ -283,6 +284,7 @@ class ModelEngine:
             gc.collect()
             mx.synchronize()
             mx.clear_cache()
+            allocator.trim()
             self.stats = EngineStats()
             self.stopped.set_result(max(0, held - mx.get_active_memory()))
 

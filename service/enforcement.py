@@ -131,6 +131,12 @@ class PoolAdapter:
         return [self._handles[e.model_id] for e in live]
 
     async def unload(self, model_id: str, reason: str) -> int:
+        # The tick decided from a snapshot: a Pin or a request may have arrived since.
+        entry = self._pool.get(model_id)
+        if entry.pinned or entry.busy or entry.state != ModelState.READY:
+            log.info("not evicting %s (%s): pinned, busy or not ready since the tick",
+                     model_id, reason)
+            return 0
         result = await self._pool.unload(model_id, force=True, reason=reason)
         return result.freed_bytes
 

@@ -147,7 +147,9 @@ class PressurePublisher:
     def on_transition(self, transition, readings, limits) -> None:
         from service.convert import transition_to_wire
 
-        self.broker.publish("transition", transition_to_wire(transition, readings, limits))
+        msg = transition_to_wire(transition, readings, limits)
+        self.level = msg.to_level  # actions after it in the tick act at this level
+        self.broker.publish("transition", msg)
 
     def on_sample(self, sample) -> None:
         from service.convert import level_to_wire, sample_to_wire

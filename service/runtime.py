@@ -334,6 +334,8 @@ class Runtime:
             entry = self.pool.get(model_id)
         except NotFound:
             entry = None
+        while entry is not None and entry.state == ModelState.UNLOADING:
+            await asyncio.sleep(0.05)  # let the unload finish, then load it again
         if entry is None or entry.state == ModelState.UNLOADED:
             # Pinning an unloaded model loads it: by id when known, else as a source.
             source = entry.source if entry is not None else model_id

@@ -15,6 +15,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 
+from engine import allocator
 from engine.demo_models import ensure_demo_model
 from engine.model_engine import EngineSettings
 from engine.pool import ModelPool
@@ -100,6 +101,7 @@ class PlimsollServer:
 
     async def start(self) -> int:
         setup(self.config.telemetry)
+        allocator.release_large_allocations_on_free()
         loop = asyncio.get_running_loop()
         pool = ModelPool(loop, self.config.engine)
         self.runtime = Runtime(pool, self.config.runtime, self.config.memory,
