@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     adm.add_argument("--session-bank-gb", type=float, default=8.0, metavar="GIB",
                      help="most bytes the session bank may hold (default: %(default)s; the "
                      "enforcer's dynamic ceiling may hold it lower)")
+    adm.add_argument("--session-idle-ttl", type=float, default=3600.0, metavar="S",
+                     help="drop a session's cache after this long unused, checked every "
+                     "enforcer tick (default: %(default)s)")
     s.add_argument("--otlp-endpoint", default="",
                    help="send traces and metrics over OTLP/gRPC to this endpoint "
                    "(default: the OTEL_EXPORTER_OTLP_ENDPOINT variable; none: nothing leaves)")
@@ -265,6 +268,7 @@ def _serve(args) -> int:
     rt.session_bank = not args.no_session_bank
     rt.bank_max_bytes = int(args.session_bank_gb * 1024**3)
     rt.bank_per_session_max_bytes = min(rt.bank_per_session_max_bytes, rt.bank_max_bytes)
+    rt.bank_idle_ttl_s = args.session_idle_ttl
     try:
         validate_scheduler_settings(rt.scheduler_mode, args.max_num_seqs,
                                     queue_limit=rt.admission_queue_limit)

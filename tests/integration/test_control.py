@@ -228,3 +228,27 @@ def test_hyper_mode_refuses_wider_settings_at_start(tmp_path):
                        text=True, timeout=60)
     assert r.returncode == 1
     assert "max-num-seqs" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_idle_session_ttl_is_enforced_on_the_tick(tmp_path, demo_path):
+    s = start_server(tmp_path, "--session-idle-ttl", "1", "--poll-active", "0.2",
+                     "--poll-idle", "0.2")
+    try:
+        with s.channel() as ch:
+            control = control_pb2_grpc.ControlServiceStub(ch)
+            inference = inference_pb2_grpc.InferenceServiceStub(ch)
+            list(inference.Generate(inference_pb2.GenerateRequest(
+                text="remember me", max_tokens=4, ignore_eos=True, session_id="ttl"),
+                timeout=60))
+
+            def cached() -> set[str]:
+                resp = control.ListSessions(control_pb2.ListSessionsRequest())
+                return {x.session_id for x in resp.sessions}
+
+            assert "ttl" in cached()
+            deadline = time.monotonic() + 10
+            while "ttl" in cached() and time.monotonic() < deadline:
+                time.sleep(0.2)  # no lookups meanwhile: only the tick can expire it
+            assert "ttl" not in cached()
+    finally:
+        s.stop()
