@@ -165,7 +165,7 @@ class ModelEngine:
         cache: list[Any] | None = None,
         cached_tokens: int = 0,
     ) -> None:
-        if self._stop:
+        if self._stop or not self._thread.is_alive():
             raise Unavailable(f"model {self.model_id} is unloading", retry_after_s=1.0)
         self.stats.waiting_requests += 1
         self._inbox.put(_Insert(request, sink, cache, cached_tokens))
@@ -238,12 +238,7 @@ class ModelEngine:
         self.info = info
         eos = StopSequences([(t,) for t in info.tokenizer.eos_token_ids])
         no_stop = StopSequences(None)
-        gen = BatchGenerator(
-            info.model,
-            completion_batch_size=self.settings.max_num_seqs,
-            prefill_batch_size=min(self.settings.prefill_batch_size, self.settings.max_num_seqs),
-            prefill_step_size=self.settings.prefill_step_size,
-        )
+        gen = self._new_batch()
         self._sample_memory()
         self.loaded.set_result(info.facts())
         live: dict[int, _Live] = {}
@@ -254,11 +249,11 @@ class ModelEngine:
                 self._drain_inbox(gen, live, by_id, outbox, eos, no_stop,
                                   block=not live and not self._held)
                 if live and not self._stop:
-                    prefill = self._plan_prefill(gen, live, by_id, outbox)
-                    before = mx.get_active_memory() if prefill else 0
-                    prompt_responses, responses = gen.next()
-                    self._track_prefill(prompt_responses, live, prefill, before)
-                    self._publish_step(gen, responses, live, by_id, outbox)
+                    try:
+                        self._step(gen, live, by_id, outbox)
+                    except Exception as exc:  # noqa: BLE001 - keep serving the others
+                        log.exception("generation step failed on %s", self.model_id)
+                        gen = self._reset_batch(gen, live, by_id, outbox, exc)
                     if not live:
                         # Batch drained: give freed buffers back (tests and operators
                         # expect memory to return to its baseline between bursts).
@@ -413,6 +408,34 @@ class ModelEngine:
                 live.pop(f.uid, None)
                 by_id.pop(f.request.request_id, None)
         self._refresh_stats(live)
+
+    def _step(self, gen, live, by_id, outbox) -> None:
+        planned = self._plan_prefill(gen, live, by_id, outbox)
+        active_before = mx.get_active_memory() if planned else 0
+        prompt_responses, responses = gen.next()
+        self._track_prefill(prompt_responses, live, planned, active_before)
+        self._publish_step(gen, responses, live, by_id, outbox)
+
+    def _reset_batch(self, gen, live, by_id, outbox, exc: Exception) -> BatchGenerator:
+        """A failed step leaves the batch in an unknown state: end its requests with a
+        typed status and start a fresh batch, so the model keeps serving."""
+        error = Unavailable(f"generation failed on {self.model_id}: {exc}", retry_after_s=1.0)
+        for item in live.values():
+            outbox.append((item.sink, Failed(error)))
+        live.clear()
+        by_id.clear()
+        self._refresh_stats(live)
+        gen.close()
+        mx.clear_cache()
+        return self._new_batch()
+
+    def _new_batch(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.info.model,
+            completion_batch_size=self.settings.max_num_seqs,
+            prefill_batch_size=min(self.settings.prefill_batch_size, self.settings.max_num_seqs),
+            prefill_step_size=self.settings.prefill_step_size,
+        )
 
     def _plan_prefill(self, gen, live, by_id, outbox) -> int:
         """Before a step that prefills: size the chunk to the headroom, or abort the
