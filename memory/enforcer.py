@@ -203,6 +203,20 @@ class MemoryEnforcer:
         self._stopped = True
         self.wake()
 
+    def note_activity(self) -> None:
+        """A request arrived: poll fast for at least 2 s. Re-checks at once only when the
+        loop sleeps the long idle interval — a burst of requests must not run a tick
+        (and a sample to every subscriber) per request."""
+        sleeping_long = self._poll_interval > self._config.active_poll_s
+        self.wake(active=True) if sleeping_long else self._extend_hint()
+
+    def _extend_hint(self) -> None:
+        now = self._clock()
+        with self._hint_lock:
+            self._hint_until = extend_activity_hint(
+                now, self._hint_until, self._config.active_poll_s
+            )
+
     def wake(self, active: bool = False) -> None:
         """Re-check early; with `active`, poll fast for at least 2 s. Safe from any thread."""
         if active:

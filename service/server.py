@@ -24,7 +24,7 @@ from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_
 from service.control_servicer import ControlServicer
 from service.inference_servicer import InferenceServicer
 from service.pressure_broker import PressureBroker, PressurePublisher
-from service.runtime import Runtime, RuntimeSettings
+from service.runtime import Runtime, RuntimeSettings, settle_heap
 from telemetry.setup import TelemetrySettings, setup
 
 log = logging.getLogger(__name__)
@@ -193,6 +193,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
     await server.start()
     await server.load_initial_models()
+    settle_heap()
     log.info("ready: %s", ", ".join(e.model_id for e in server.runtime.pool.entries()))
     if ready is not None:
         ready.set()

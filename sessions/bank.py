@@ -48,7 +48,24 @@ from telemetry import names
 from .trie import TokenTrie
 
 Tokens = tuple[int, ...]
-EntryKey = tuple[str, Tokens]  # (model, tokens)
+
+
+class EntryKey(tuple):
+    """(model, tokens), hashing once: a tuple re-hashes all its tokens on every set
+    or dict lookup, which made a shrink over thousands of long prefixes cost tens of
+    milliseconds."""
+
+    def __new__(cls, model: str, tokens: Tokens) -> EntryKey:
+        key = super().__new__(cls, (model, tokens))
+        key._hash = tuple.__hash__(key)
+        return key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __getnewargs__(self) -> tuple[str, Tokens]:
+        return tuple(self)
+
 Lineage = tuple[str, "str | None"]  # (model, session_id)
 
 _log = logging.getLogger(__name__)
@@ -111,10 +128,11 @@ class SessionEntry:
             raise ValueError("a SessionEntry needs at least one token")
         if self.nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {self.nbytes}")
+        self._key = EntryKey(self.model, self.tokens)
 
     @property
     def key(self) -> EntryKey:
-        return (self.model, self.tokens)
+        return self._key
 
     @property
     def prefix_len(self) -> int:
@@ -251,7 +269,7 @@ def _lru_groups(entries: Iterable[SessionEntry]) -> Iterator[SessionEntry]:
 
 def _keyset(keys: Iterable[tuple[str, Sequence[int]]]) -> set[EntryKey]:
     """(model, tokens) pairs as hashable keys, whatever sequence type the tokens came in."""
-    return {(model, tuple(tokens)) for model, tokens in keys}
+    return {EntryKey(model, tuple(tokens)) for model, tokens in keys}
 
 
 def _take_until(order: Iterator[SessionEntry], excess: int) -> list[SessionEntry]:
@@ -674,10 +692,13 @@ class SessionBank:
         victims: list[SessionEntry] = []
         if excess > 0:
 
+            skip_keys = protect_keys | gone  # usually empty: then no key is hashed
+            skip_sids = protect_sids | active if protect_active else protect_sids
+
             def accept(e: SessionEntry) -> bool:
                 return not (
-                    e.key in protect_keys or e.key in gone or e.session_id in protect_sids
-                    or (protect_active and self._is_active(e, active))
+                    (skip_keys and e.key in skip_keys)
+                    or (e.session_id is not None and e.session_id in skip_sids)
                 )
 
             victims = _take_until(self._ordered(accept, active), excess)
@@ -761,12 +782,13 @@ class SessionBank:
         if active is None:
             yield from _lru_groups(e for e in self._entries.values() if accept(e))
             return
-        yield from _lru_groups(
-            e for e in self._entries.values() if accept(e) and not self._is_active(e, active)
-        )
-        yield from _lru_groups(
-            e for e in self._entries.values() if accept(e) and self._is_active(e, active)
-        )
+        busy: list[SessionEntry] = []  # one pass: accept runs once per entry
+        idle = []
+        for e in self._entries.values():
+            if accept(e):
+                (busy if self._is_active(e, active) else idle).append(e)
+        yield from _lru_groups(idle)
+        yield from _lru_groups(busy)
 
     def _touch(self, entry: SessionEntry, now: float) -> None:
         entry.last_access = now
