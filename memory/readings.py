@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,6 +257,36 @@ def _levels(
     return CgroupInfo(version, own, tuple(levels), pressure_file)
 
 
+# Pages swapped in per second that count as pressure (4 KiB pages: ~4 MiB/s, ~64 MiB/s).
+SWAPIN_WARNING_PAGES_S = 1024
+SWAPIN_CRITICAL_PAGES_S = 16384
+_SEVERITY = {None: 0, "normal": 1, "warning": 2, "critical": 3}
+
+
+def swapin_pressure(pages_per_s: float) -> str:
+    """Swap-in activity as a pressure level: the system is paging working sets back."""
+    if pages_per_s >= SWAPIN_CRITICAL_PAGES_S:
+        return "critical"
+    if pages_per_s >= SWAPIN_WARNING_PAGES_S:
+        return "warning"
+    return "normal"
+
+
+def worse(a: str | None, b: str | None) -> str | None:
+    return a if _SEVERITY[a] >= _SEVERITY[b] else b
+
+
+def parse_swapins(vmstat: str | None) -> int | None:
+    """The `pswpin` counter of /proc/vmstat (pages swapped in since boot)."""
+    for line in (vmstat or "").splitlines():
+        if line.startswith("pswpin "):
+            try:
+                return int(line.split()[1])
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
 def parse_psi(text: str | None) -> str | None:
     """Map a PSI memory file to "normal" / "warning" / "critical" (None if unreadable)."""
     if not text:
@@ -371,6 +402,8 @@ class MemoryReader:
         self._cgroup: CgroupInfo | None = None
         self._cgroup_files: list[tuple[CgroupLevel, _CachedFile, _CachedFile]] = []
         self._pressure_file: _CachedFile | None = None
+        self._vmstat: _CachedFile | None = None
+        self._last_swapin: tuple[float, int] | None = None
         self._pressure_source: str | None = None
         if self._linux:
             self._discover_linux(proc_root, cgroup_root)
@@ -384,6 +417,7 @@ class MemoryReader:
         mountinfo = _read_text(f"{proc_root}/self/mountinfo")
         self._cgroup = discover_cgroup(proc_cgroup, mountinfo, default_root=cgroup_root)
         self._stat_files: dict[str, _CachedFile] = {}
+        self._vmstat = _CachedFile(f"{proc_root}/vmstat")
         if self._cgroup is not None:
             self._cgroup_files = [
                 (lvl, _CachedFile(lvl.limit_file), _CachedFile(lvl.usage_file))
@@ -584,12 +618,26 @@ class MemoryReader:
                 sources["os_pressure"] = "sysctl kern.memorystatus_vm_pressure_level"
                 return _DARWIN_PRESSURE[value]
             return None
-        if self._pressure_file is None:
+        value = None
+        if self._pressure_file is not None:
+            value = parse_psi(self._pressure_file.read(512))
+            if value is not None and self._pressure_source:
+                sources["os_pressure"] = self._pressure_source
+        swap = self._swapin_level()
+        if swap is not None and _SEVERITY[swap] > _SEVERITY[value]:
+            sources["os_pressure"] = "swap-in rate /proc/vmstat pswpin"
+        return worse(value, swap)
+
+    def _swapin_level(self) -> str | None:
+        """Pressure from the swap-in rate since the previous reading (None at first)."""
+        if self._vmstat is None:
             return None
-        value = parse_psi(self._pressure_file.read(512))
-        if value is not None and self._pressure_source:
-            sources["os_pressure"] = self._pressure_source
-        return value
+        pages = parse_swapins(self._vmstat.read(16384))
+        now = time.monotonic()
+        last, self._last_swapin = self._last_swapin, (now, pages) if pages is not None else None
+        if pages is None or last is None or now <= last[0]:
+            return None
+        return swapin_pressure((pages - last[1]) / (now - last[0]))
 
     def close(self) -> None:
         for f in (self._statm, self._meminfo, self._pressure_file):

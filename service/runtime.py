@@ -44,6 +44,7 @@ from memory.levels import PressureLevel
 from memory.readings import MemoryReader, MemoryReadings
 from service.enforcement import PoolAdapter, PrefillGuard
 from service.leases import ModelLeases
+from service.metrics import RequestMetrics
 from sessions.activity import ActiveSessions, SessionPins
 from sessions.admission import (
     AdmissionInputs,
@@ -172,8 +173,15 @@ class Runtime:
             pool.listeners.append(self.enforcer.wake)
             pool.listeners.append(self._attach_prefill_guards)
         self.pressure_guard = PressureGuard()
+        self.metrics = RequestMetrics(self._request_counts)
         pool.on_finish_hook = self._store_session
         pool.listeners.append(self._drop_sessions_of_unloaded_models)
+
+    def _request_counts(self) -> tuple[int, int]:
+        engines = [e.engine for e in self.pool.entries() if e.engine is not None]
+        running = sum(e.stats.active_requests for e in engines)
+        waiting = sum(e.stats.waiting_requests for e in engines) + self.queue.waiting
+        return running, waiting
 
     # -- memory figures ---------------------------------------------------------------
     @property
@@ -501,6 +509,7 @@ class Runtime:
         if result.outcome is QueueOutcome.ADMITTED:
             return result.slot
         full = result.outcome is QueueOutcome.QUEUE_FULL
+        self.metrics.admitted("queue_full" if full else "wait_timeout", "")
         raise ResourceExhausted(
             ("admission queue is full" if full else
              f"waited {result.waited_s:.1f}s for admission ({result.binding})")
@@ -522,6 +531,8 @@ class Runtime:
                     model=entry.model_id, prompt_tokens=request.prompt_tokens,
                     protect_session_ids=self._protected_sessions(),
                 )
+                self.metrics.admitted(outcome.verdict.value if outcome.admitted else "reject",
+                                      entry.model_id)
                 if not outcome.admitted:
                     numbers = {k: str(v) for k, v in outcome.numbers.items()}
                     raise ResourceExhausted(
@@ -530,6 +541,8 @@ class Runtime:
                         retry_after_s=outcome.retry_after_s or 2.0,
                         metadata={"binding": outcome.binding or "", **numbers},
                     )
+            else:
+                self.metrics.admitted(decision.verdict.value, entry.model_id)
         if not (self.settings.session_bank and request.session_id):
             return None, 0
         restored: SessionEntry | None = self.bank.longest_prefix(entry.model_id,
@@ -569,6 +582,8 @@ class Runtime:
                     raise event.error
                 span.set_attribute(names.ATTR_FINISH_REASON, event.reason.value)
                 span.set_attribute(names.ATTR_COMPLETION_TOKENS, event.completion_tokens)
+                self.metrics.finished(entry.model_id, event.ttft_seconds,
+                                      event.completion_tokens)
                 yield event
                 return
         finally:

@@ -13,6 +13,7 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -26,11 +27,49 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+METRICS = InMemoryMetricReader()
+
+
 @pytest.fixture(scope="session")
 def spans() -> InMemorySpanExporter:
     exporter = InMemorySpanExporter()
-    setup(extra_span_processors=[SimpleSpanProcessor(exporter)])
+    setup(extra_span_processors=[SimpleSpanProcessor(exporter)],
+          extra_metric_readers=[METRICS])
     return exporter
+
+
+def metric_points() -> dict[str, list]:
+    out: dict[str, list] = {}
+    data = METRICS.get_metrics_data()
+    for rm in data.resource_metrics if data else []:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                out.setdefault(m.name, []).extend(m.data.data_points)
+    return out
+
+
+async def test_request_and_memory_metrics(spans, demo_path):
+    server = PlimsollServer(ServerConfig(port=0, models=[str(demo_path)]))
+    port = await server.start()
+    await server.load_initial_models()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            stub = inference_pb2_grpc.InferenceServiceStub(ch)
+            call = stub.Generate(inference_pb2.GenerateRequest(
+                text="count me", max_tokens=5, ignore_eos=True))
+            [m async for m in call]
+            await server.runtime.enforcer.tick()
+    finally:
+        await server.drain()
+    points = metric_points()
+    verdicts = {p.attributes.get(names.ATTR_VERDICT) for p in points[names.METRIC_ADMISSIONS]}
+    assert "admit" in verdicts
+    assert sum(p.value for p in points[names.METRIC_TOKENS_GENERATED]) >= 5
+    assert points[names.METRIC_TTFT][0].count >= 1
+    assert points[names.METRIC_MEMORY_USAGE][0].value > 0
+    assert points[names.METRIC_MEMORY_CEILING][0].value > 0
+    assert names.METRIC_REQUESTS_RUNNING in points
+    assert names.METRIC_BANK_BYTES in points
 
 
 async def test_health_follows_readiness(spans, demo_path):
