@@ -28,6 +28,7 @@ class ModelFacts:
     kv_bytes_per_token: int
     weights_bytes: int
     measured_bytes: int
+    attention_heads: int
 
 
 @dataclass
@@ -40,10 +41,11 @@ class LoadedModel:
     kv_bytes_per_token: int
     weights_bytes: int
     measured_bytes: int = 0
+    attention_heads: int = 1
 
     def facts(self) -> ModelFacts:
         return ModelFacts(self.context_length, self.vocab_size, self.kv_bytes_per_token,
-                          self.weights_bytes, self.measured_bytes)
+                          self.weights_bytes, self.measured_bytes, self.attention_heads)
 
 
 def is_local(source: str) -> bool:
@@ -89,4 +91,11 @@ def load_model(source: str) -> LoadedModel:
         vocab_size=int(vocab),
         kv_bytes_per_token=kv_bytes_per_token(config),
         weights_bytes=sum(p.nbytes for _, p in params),
+        attention_heads=attention_heads(config),
     )
+
+
+def attention_heads(config: dict) -> int:
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    heads = config.get("num_attention_heads") or text.get("num_attention_heads")
+    return int(heads) if isinstance(heads, int) and heads > 0 else 32

@@ -411,7 +411,11 @@ class ModelEngine:
 
     def _step(self, gen, live, by_id, outbox) -> None:
         planned = self._plan_prefill(gen, live, by_id, outbox)
-        active_before = mx.get_active_memory() if planned else 0
+        active_before = 0
+        if planned:
+            # The chunk's cost is its peak (attention scores included), not what stays.
+            active_before = mx.get_active_memory()
+            mx.reset_peak_memory()
         prompt_responses, responses = gen.next()
         self._track_prefill(prompt_responses, live, planned, active_before)
         self._publish_step(gen, responses, live, by_id, outbox)
@@ -475,7 +479,7 @@ class ModelEngine:
                 processed += max(0, done - item.prefilled)
                 item.prefilled = done
         if planned and processed and self.prefill_planner is not None:
-            self.prefill_planner.observe(processed, mx.get_active_memory() - before)
+            self.prefill_planner.observe(processed, mx.get_peak_memory() - before)
 
     def _finished(self, item: _Live, reason: FinishReason, now: float) -> Finished:
         first = item.first_token_at or now
@@ -511,6 +515,9 @@ class ModelEngine:
             pooled = mx.get_cache_memory()
             mx.synchronize()
             mx.clear_cache()
+            # Small buffers (a short session's KV) live on the C heap: hand those pages
+            # back too, or usage never drops and admission sheds on and on.
+            allocator.trim()
             self._last_reclaimed = max(0, pooled - mx.get_cache_memory())
             for w in waiters:
                 w.set()
@@ -519,6 +526,7 @@ class ModelEngine:
             gc.collect()
             mx.synchronize()
             mx.clear_cache()
+            allocator.trim()
         self._sample_memory()
 
     def _sample_memory(self) -> None:

@@ -48,6 +48,7 @@ class ModelEntry:
     weights_bytes: int = 0
     context_length: int = 0
     kv_bytes_per_token: int = 0
+    attention_heads: int = 1
     vocab_size: int = 0
     last_used: float = 0.0  # monotonic; LRU order
     last_used_wall: float = 0.0
@@ -233,6 +234,7 @@ class ModelPool:
             entry.weights_bytes = info.weights_bytes
             entry.context_length = info.context_length
             entry.kv_bytes_per_token = info.kv_bytes_per_token
+            entry.attention_heads = info.attention_heads
             entry.vocab_size = info.vocab_size
             entry.state = ModelState.READY
             entry.pending_unload_reason = ""

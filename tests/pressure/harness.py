@@ -194,6 +194,94 @@ class Generations:
         return not any(t.is_alive() for t in self._threads)
 
 
+@dataclass
+class Turn:
+    """One Generate stream as the client saw it."""
+
+    start: inference_pb2.GenerateStart | None = None
+    token_ids: list[int] = field(default_factory=list)
+    ended: Ended | None = None
+    started_at: float = 0.0  # monotonic: when the start message arrived
+    ended_at: float = 0.0
+
+    @property
+    def admitted(self) -> bool:
+        return self.start is not None
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.start.cached_tokens if self.start is not None else 0
+
+
+def run_generate(
+    address: str,
+    request: inference_pb2.GenerateRequest,
+    *,
+    timeout_s: float = 120,
+    on_start: Callable[[inference_pb2.GenerateStart], None] | None = None,
+    turn: Turn | None = None,
+) -> Turn:
+    """One Generate stream to its end; `on_start` runs as soon as the start message
+    arrives (before any prefill output), e.g. to look at what admission shed."""
+    turn = turn if turn is not None else Turn()
+    finish = 0
+    try:
+        with grpc.insecure_channel(address) as ch:
+            stub = inference_pb2_grpc.InferenceServiceStub(ch)
+            for msg in stub.Generate(request, timeout=timeout_s):
+                kind = msg.WhichOneof("event")
+                if kind == "start":
+                    turn.start = msg.start
+                    turn.started_at = time.monotonic()
+                    if on_start is not None:
+                        on_start(msg.start)
+                elif kind == "chunk":
+                    turn.token_ids.extend(msg.chunk.token_ids)
+                elif kind == "end":
+                    finish = msg.end.finish_reason
+        turn.ended = Ended(grpc.StatusCode.OK, tokens=len(turn.token_ids), finish_reason=finish)
+    except grpc.RpcError as err:
+        turn.ended = ended_from_error(err, len(turn.token_ids))
+    turn.ended_at = time.monotonic()
+    return turn
+
+
+class BackgroundTurn:
+    """`run_generate` on a thread of its own; `wait_tokens` blocks until it streams."""
+
+    def __init__(
+        self, address: str, request: inference_pb2.GenerateRequest, timeout_s: float = 240
+    ) -> None:
+        self.turn = Turn()
+        self._thread = threading.Thread(
+            target=run_generate,
+            args=(address, request),
+            kwargs={"timeout_s": timeout_s, "turn": self.turn},
+            name="bg-generate",
+            daemon=True,
+        )
+
+    def start(self) -> BackgroundTurn:
+        self._thread.start()
+        return self
+
+    def wait_tokens(self, n: int, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.turn.token_ids) >= n or self.turn.ended is not None:
+                break
+            time.sleep(0.02)
+        return len(self.turn.token_ids) >= n
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
 # ---------------------------------------------------------------------------
 # WatchPressure and GetMemoryStatus recorders
 
@@ -342,21 +430,23 @@ class PressureWatcher:
                 )
         return out
 
-    def describe(self) -> str:
+    def describe(self, t0: float | None = None) -> str:
+        """One line per message; with `t0` (monotonic), each prefixed by its arrival time."""
         lines = []
-        for m, _t in zip(self.snapshot(), self.times, strict=False):
+        for m, t in zip(self.snapshot(), self.times, strict=False):
+            at = f"[{t - t0:5.1f}s] " if t0 is not None else ""
             which = m.WhichOneof("event")
             if which == "snapshot":
                 s = m.snapshot
                 lines.append(
-                    f"  #{m.sequence} snapshot {level_name(s.level)} usage "
+                    f"  {at}#{m.sequence} snapshot {level_name(s.level)} usage "
                     f"{mib(s.readings.process_bytes)} ceiling {mib(s.limits.ceiling_bytes)}"
                     f" ({s.limits.binding_term})"
                 )
             elif which == "transition":
                 t = m.transition
                 lines.append(
-                    f"  #{m.sequence} transition {level_name(t.from_level)} -> "
+                    f"  {at}#{m.sequence} transition {level_name(t.from_level)} -> "
                     f"{level_name(t.to_level)} usage {mib(t.readings.process_bytes)} "
                     f"soft {mib(t.limits.soft_bytes)} hard {mib(t.limits.hard_bytes)} "
                     f"ceiling {mib(t.limits.ceiling_bytes)} ({t.limits.binding_term}): "
@@ -367,9 +457,10 @@ class PressureWatcher:
                 if a.kind in ("store_cache_cap",):
                     continue  # one per engine per tick: too chatty to print
                 ids = f" requests={list(a.request_ids)}" if a.request_ids else ""
+                entries = f" entries={a.entries_evicted}" if a.entries_evicted else ""
                 lines.append(
-                    f"  #{m.sequence} action {a.kind} model={a.model or '-'}{ids} "
-                    f"freed={mib(a.bytes_freed)} level={level_name(a.level)}: {a.reason}"
+                    f"  {at}#{m.sequence} action {a.kind} model={a.model or '-'}{ids} "
+                    f"freed={mib(a.bytes_freed)}{entries} level={level_name(a.level)}: {a.reason}"
                 )
         return "\n".join(lines)
 
