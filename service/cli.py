@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most sequences decoded together per model (default: %(default)s)")
     s.add_argument("--prefill-step-size", type=int, default=512,
                    help="prompt tokens processed per step (default: %(default)s)")
+    s.add_argument("--stream-interval-ms", type=float, default=2.0,
+                   help="send steady token chunks at most this often; first tokens and "
+                   "ends go at once; 0 sends every token (default: %(default)s)")
     s.add_argument("--max-queued-requests", type=int, default=256,
                    help="most requests in flight before RESOURCE_EXHAUSTED "
                    "(default: %(default)s)")
@@ -255,7 +258,8 @@ def _serve(args) -> int:
         max_message_bytes=args.max_message_mb * MiB,
         drain_grace_s=args.drain_seconds,
         engine=EngineSettings(max_num_seqs=args.max_num_seqs,
-                              prefill_step_size=args.prefill_step_size),
+                              prefill_step_size=args.prefill_step_size,
+                              stream_interval_s=max(0.0, args.stream_interval_ms) / 1000),
         telemetry=TelemetrySettings(otlp_endpoint=args.otlp_endpoint),
     )
     config.memory = memory_config(args)
