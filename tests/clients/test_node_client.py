@@ -31,7 +31,7 @@ def node_client() -> Path:
     needed = [
         NODE_DIR / "node_modules" / "@grpc" / p / "package.json"
         for p in ("grpc-js", "proto-loader")
-    ]
+    ] + [NODE_DIR / "node_modules" / "@bufbuild" / "buf" / "package.json"]
     if not all(p.exists() for p in needed):
         result = subprocess.run(
             [NPM, "ci", "--no-audit", "--no-fund"],
@@ -93,3 +93,11 @@ def test_node_sees_the_status_of_a_failed_stream(server, node_client):
     assert status["codeName"] == "NOT_FOUND"
     assert status["code"] == 5
     assert "no-such-model" in status["details"]
+
+
+def test_contract_is_buf_standard_clean(node_client):
+    """`buf lint` (STANDARD, proto/buf.yaml) from the locked npm package."""
+    buf = NODE_DIR / "node_modules" / ".bin" / "buf"
+    result = subprocess.run([str(buf), "lint"], cwd=NODE_DIR.parents[2] / "proto",
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
