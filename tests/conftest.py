@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,14 @@ class ServerProcess:
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address)
+
+    @contextmanager
+    def stubs(self) -> Iterator[tuple[control_pb2_grpc.ControlServiceStub,
+                                      inference_pb2_grpc.InferenceServiceStub]]:
+        """(control, inference) stubs on one channel, closed afterwards."""
+        with self.channel() as ch:
+            yield (control_pb2_grpc.ControlServiceStub(ch),
+                   inference_pb2_grpc.InferenceServiceStub(ch))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -90,6 +99,16 @@ def start_server(tmp: Path, *args: str, env: dict | None = None,
             server.stop(9)
             raise
     return server
+
+
+@contextmanager
+def serving(tmp: Path, *args: str) -> Iterator[ServerProcess]:
+    """A server for the duration of the block (module fixtures use this)."""
+    srv = start_server(tmp, *args)
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="session")

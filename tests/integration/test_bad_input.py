@@ -11,16 +11,15 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from plimsoll.v1 import inference_pb2, inference_pb2_grpc
-from tests.conftest import start_server
+from tests.conftest import serving
 
 BIG = 3000  # beyond nothing; the tiny model's context is 4096
 
 
 @pytest.fixture(scope="module")
 def small_limit_server(tmp_path_factory, demo_path):
-    srv = start_server(tmp_path_factory.mktemp("badinput"), "--max-message-mb", "1")
-    yield srv
-    srv.stop()
+    with serving(tmp_path_factory.mktemp("badinput"), "--max-message-mb", "1") as srv:
+        yield srv
 
 
 @pytest.fixture()

@@ -10,7 +10,7 @@ import pytest
 from google.protobuf import duration_pb2
 
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
-from tests.conftest import start_server
+from tests.conftest import serving, start_server
 
 MiB = 2**20
 
@@ -18,17 +18,15 @@ MiB = 2**20
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory, demo_path):
     # A custom ceiling far above what the tiny model needs: everything stays ok.
-    s = start_server(tmp_path_factory.mktemp("control"), "--memory-guard-gb", "8",
-                     "--poll-active", "0.2")
-    yield s
-    s.stop()
+    with serving(tmp_path_factory.mktemp("control"), "--memory-guard-gb", "8",
+                 "--poll-active", "0.2") as s:
+        yield s
 
 
 @pytest.fixture()
 def stubs(srv):
-    with srv.channel() as ch:
-        yield (control_pb2_grpc.ControlServiceStub(ch),
-               inference_pb2_grpc.InferenceServiceStub(ch))
+    with srv.stubs() as pair:
+        yield pair
 
 
 def ttl(seconds: float) -> duration_pb2.Duration:

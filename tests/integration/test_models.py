@@ -12,21 +12,19 @@ from grpc_status import rpc_status
 
 from engine.demo_models import ensure_demo_model
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
-from tests.conftest import start_server
+from tests.conftest import serving, start_server
 
 
 @pytest.fixture(scope="module")
 def lifecycle_server(tmp_path_factory, demo_path):
-    srv = start_server(tmp_path_factory.mktemp("models"))
-    yield srv
-    srv.stop()
+    with serving(tmp_path_factory.mktemp("models")) as srv:
+        yield srv
 
 
 @pytest.fixture()
 def stubs(lifecycle_server):
-    with lifecycle_server.channel() as ch:
-        yield (control_pb2_grpc.ControlServiceStub(ch),
-               inference_pb2_grpc.InferenceServiceStub(ch))
+    with lifecycle_server.stubs() as pair:
+        yield pair
 
 
 def models(control) -> dict[str, control_pb2.ModelInfo]:
