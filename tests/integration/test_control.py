@@ -250,3 +250,52 @@ def test_idle_session_ttl_is_enforced_on_the_tick(tmp_path, demo_path):
             assert "ttl" not in cached()
     finally:
         s.stop()
+
+
+def test_waiting_for_admission_times_out_or_finds_the_queue_full(tmp_path, demo_path):
+    """A bounded admission queue: a typed status with RetryInfo, never a hang."""
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    s = start_server(tmp_path, "--scheduler-mode", "hyper", "--max-num-seqs", "1",
+                     "--admission-timeout", "1", "--admission-queue-limit", "1")
+    try:
+        with s.stubs() as (_, inference):
+            started = threading.Event()
+
+            def long() -> None:
+                for _m in inference.Generate(inference_pb2.GenerateRequest(
+                        text="a", max_tokens=3000, ignore_eos=True), timeout=60):
+                    started.set()
+
+            t = threading.Thread(target=long)
+            t.start()
+            assert started.wait(30)
+            errors: list[grpc.RpcError] = []
+
+            def waiter() -> None:
+                try:
+                    list(inference.Generate(inference_pb2.GenerateRequest(
+                        text="b", max_tokens=2), timeout=30))
+                except grpc.RpcError as e:
+                    errors.append(e)
+
+            w = threading.Thread(target=waiter)
+            w.start()
+            time.sleep(0.3)  # the waiter holds the queue's only place
+            with pytest.raises(grpc.RpcError) as full:
+                list(inference.Generate(inference_pb2.GenerateRequest(text="c", max_tokens=2),
+                                        timeout=30))
+            w.join(30)
+            t.join(60)
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for err, reason in ((full.value, "QUEUE_FULL"), (errors[0], "MEMORY_PRESSURE")):
+            details = rpc_status.from_call(err).details
+            info = error_details_pb2.ErrorInfo()
+            assert any(d.Unpack(info) for d in details) and info.reason == reason
+            retry = error_details_pb2.RetryInfo()
+            assert any(d.Unpack(retry) for d in details)
+            assert retry.retry_delay.ToNanoseconds() > 0
+    finally:
+        s.stop()

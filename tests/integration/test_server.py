@@ -205,3 +205,16 @@ def test_cli_help_explains_every_option():
             assert action.help, f"plimsoll {name} {action.option_strings} has no help"
         r = cli(name, "--help")
         assert r.returncode == 0 and "usage: plimsoll" in r.stdout
+
+
+def test_memory_settings_are_validated_with_one_clear_line(tmp_path):
+    bad = tmp_path / "memory.toml"
+    bad.write_text('[memory]\ntier = "balanced"\nsoft_fraction = 0.99\nhard_fraction = 0.5\n'
+                   'no_such_key = 1\n')
+    r = cli("serve", "--memory-config", str(bad), "--port", "0")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("plimsoll: memory settings:") and "no_such_key" in r.stderr
+    r = cli("serve", "--memory-guard", "custom", "--port", "0")
+    assert r.returncode == 1 and "custom" in r.stderr and "Traceback" not in r.stderr
+    r = cli("serve", "--soft-fraction", "0.97", "--hard-fraction", "0.9", "--port", "0")
+    assert r.returncode == 1 and "soft" in r.stderr and "Traceback" not in r.stderr
