@@ -116,9 +116,7 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             lease = self._runtime.unpin(request.lease_id)
         except PlimsollError as err:
             await status.abort(context, err)
-        wire = (convert.model_lease_to_wire(lease) if hasattr(lease, "model_id")
-                else convert.session_pin_to_wire(lease))
-        return control_pb2.UnpinResponse(lease=wire)
+        return control_pb2.UnpinResponse(lease=convert.lease_to_wire(lease))
 
     # -- pressure -----------------------------------------------------------------------
     def _snapshot(self) -> control_pb2.PressureSnapshot:

@@ -9,6 +9,7 @@ from google.protobuf import timestamp_pb2
 from engine.pool import ModelEntry, ModelState
 from engine.request import ChatMessage, Chunk, Finished, FinishReason, SamplingParams
 from plimsoll.v1 import control_pb2, inference_pb2, types_pb2
+from service.leases import ModelLease
 from service.runtime import Admitted, GenerateSpec
 
 _FINISH = {
@@ -192,6 +193,13 @@ def session_pin_to_wire(pin) -> control_pb2.Lease:
     if pin.expires_at is not None:
         msg.expires_at.CopyFrom(timestamp(_wall(pin.expires_at)))
     return msg
+
+
+def lease_to_wire(lease) -> control_pb2.Lease:
+    """A model lease or a session pin, whichever Pin took."""
+    if isinstance(lease, ModelLease):
+        return model_lease_to_wire(lease)
+    return session_pin_to_wire(lease)
 
 
 def session_to_wire(info, pinned: bool) -> control_pb2.SessionInfo:
