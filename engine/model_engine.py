@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import logging
 import queue
@@ -17,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -35,10 +36,14 @@ from engine.request import (
 )
 from engine.sampling import make_request_processors, make_request_sampler
 from engine.textstream import TextStream
+from memory.levels import PressureLevel
+from memory.store_cache import StoreCacheGate, next_cap
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -69,9 +74,14 @@ class _Live:
 
 @dataclass
 class EngineStats:
-    """What other threads may read about the engine without touching MLX."""
+    """What other threads may read about the engine without touching MLX.
+
+    The engine thread is the only writer of every field, so no update is lost.
+    """
 
     active_requests: int = 0
+    # Inserts taken from the inbox but not yet in the batch (over batch_cap). Inserts
+    # still in the inbox are not counted: the pool's ModelEntry.in_use covers them.
     waiting_requests: int = 0
     request_ids: tuple[str, ...] = ()
     request_started: tuple[float, ...] = ()
@@ -79,6 +89,34 @@ class EngineStats:
     mlx_active_bytes: int = 0
     mlx_pool_bytes: int = 0
     sampled_at: float = 0.0
+    idle_reclaims: int = 0  # idle-reclaim flags consumed
+    pressure_reclaims: int = 0  # pressure-reclaim flags consumed
+    stores_skipped: int = 0  # finish hooks skipped because the store gate was full
+
+
+@dataclass(frozen=True)
+class MlxSample:
+    """MLX memory as the engine thread read it; `at` is time.monotonic() then."""
+
+    active_bytes: int
+    pool_bytes: int
+    at: float
+
+
+@dataclass(frozen=True)
+class PrefillAbortReport:
+    """A request ended before a prefill chunk because the chunk could cross the ceiling.
+
+    `remaining_tokens` and `chunk_tokens` are the planner's figures for the whole
+    prefilling batch: the prompt tokens still to prefill and the chunk it sized.
+    """
+
+    model_id: str
+    request_id: str
+    prompt_tokens: int
+    remaining_tokens: int
+    chunk_tokens: int
+    mlx_active_bytes: int
 
 
 @dataclass
@@ -128,6 +166,10 @@ class ModelEngine:
         self._loop = loop
         self._on_finish = on_finish
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # Set once, by the engine thread, before its last drain: later puts are
+        # answered by the caller, so no command waits on a thread that is gone.
+        self._inbox_lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(
             target=self._run, name=f"engine-{model_id}", daemon=True
         )
@@ -145,12 +187,19 @@ class ModelEngine:
         # How many sequences may hold KV at once; the enforcer walks it one step per
         # tick (down under pressure, back to max_num_seqs at ok). Inserts beyond it wait.
         self.batch_cap = self.settings.max_num_seqs
+        # Finished requests whose KV is being stored; the enforcer walks its cap.
+        self.store_gate = StoreCacheGate(self.settings.max_num_seqs)
         self._held: list[_Insert] = []
         self.prefill_planner: PrefillPlanner | None = None
+        # Called on the engine thread after a pre-chunk abort ended a request.
+        self.on_prefill_abort: Callable[[PrefillAbortReport], None] | None = None
+        self._sample: MlxSample | None = None
+        self._sample_waiters: queue.SimpleQueue[concurrent.futures.Future[MlxSample]] = (
+            queue.SimpleQueue())
         self._outbox: list[tuple[asyncio.Queue, Event]] = []
         self._urgent = False
         self._last_delivery = 0.0
-        self._reclaim_waiters: list[threading.Event] = []
+        self._reclaim_waiters: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
         self._last_reclaimed = 0
 
     # -- called from any thread -------------------------------------------------
@@ -167,20 +216,48 @@ class ModelEngine:
     ) -> None:
         if self._stop or not self._thread.is_alive():
             raise Unavailable(f"model {self.model_id} is unloading", retry_after_s=1.0)
-        self.stats.waiting_requests += 1
-        self._inbox.put(_Insert(request, sink, cache, cached_tokens))
+        # Only the engine thread counts it (waiting_requests), once it takes it.
+        self._put(_Insert(request, sink, cache, cached_tokens))
 
     def cancel(self, request_id: str) -> None:
         """The client left: drop the sequence at the next step, tell nobody."""
-        self._inbox.put(_Cancel([request_id], None))
+        self._put(_Cancel([request_id], None))
 
     def abort(
         self, error: PlimsollError, request_ids: Sequence[str] | None = None
     ) -> concurrent.futures.Future:
-        """Ends requests with `error`; resolves to the ids actually ended."""
+        """Ends requests with `error`; resolves to the ids actually ended: those in the
+        batch, those held over batch_cap, and inserts submitted before this call."""
         cmd = _Cancel(request_ids, error)
-        self._inbox.put(cmd)
+        self._put(cmd)
         return cmd.done
+
+    def mlx_sample(self) -> MlxSample | None:
+        """The engine thread's latest MLX reading; None before its first."""
+        return self._sample
+
+    def fresh_sample(self) -> concurrent.futures.Future[MlxSample]:
+        """A sample the engine thread takes at its next step boundary, after any
+        pending reclaim ran (within about IDLE_WAIT_S when idle)."""
+        done: concurrent.futures.Future[MlxSample] = concurrent.futures.Future()
+        with self._inbox_lock:
+            running = self._thread.is_alive() and not self._closed
+            if running:
+                self._sample_waiters.put(done)
+        if not running:
+            done.set_exception(Unavailable(f"model {self.model_id} is not running"))
+            return done
+        self._put(None)  # wake an idle thread now rather than after its wait
+        return done
+
+    def adjust_store_cache_cap(self, level: PressureLevel) -> int:
+        """Walks the store gate's cap one step for `level`; returns the new cap."""
+        return self.store_gate.adjust(level)
+
+    def adjust_batch_cap(self, level: PressureLevel) -> int:
+        """Walks batch_cap one step for `level`; returns the new cap."""
+        self.batch_cap = next_cap(self.batch_cap, self.settings.max_num_seqs, level)
+        return self.batch_cap
 
     def request_pressure_reclaim(self) -> bool:
         self._pressure_reclaim = True
@@ -190,7 +267,7 @@ class ModelEngine:
         """Blocks (never on the event loop) until the engine thread has drained the MLX
         pool at its next step boundary; returns the bytes it freed."""
         done = threading.Event()
-        self._reclaim_waiters.append(done)
+        self._reclaim_waiters.put(done)
         self._pressure_reclaim = True
         if not self._thread.is_alive() or not done.wait(timeout):
             return 0
@@ -206,7 +283,7 @@ class ModelEngine:
         """Stops the thread; running requests end with `error`. Resolves to bytes freed."""
         self._stop_error = error or Unavailable(f"model {self.model_id} was unloaded")
         self._stop = True
-        self._inbox.put(None)  # wake the thread
+        self._put(None)  # wake the thread
         if not self._thread.is_alive() and not self.stopped.done():
             self.stopped.set_result(0)
         return self.stopped
@@ -217,22 +294,28 @@ class ModelEngine:
 
     @property
     def busy(self) -> bool:
+        """Requests in the batch or held; the pool's in_use covers the inbox."""
         return self.stats.active_requests + self.stats.waiting_requests > 0
+
+    def _put(self, cmd: _Insert | _Cancel | None) -> None:
+        with self._inbox_lock:
+            if not self._closed:
+                self._inbox.put(cmd)
+                return
+        # The thread has drained its inbox for the last time: answer here.
+        outbox: list[tuple[asyncio.Queue, Event]] = []
+        _answer_unrun(cmd, self._stop_error or Unavailable(f"model {self.model_id} stopped"),
+                      outbox)
+        if outbox:
+            self._loop.call_soon_threadsafe(_put_all, outbox)
 
     # -- the engine thread ----------------------------------------------------------
     def _run(self) -> None:
         before = mx.get_active_memory()
         try:
-            if self._load_abort:
-                raise Aborted(f"load of {self.model_id} aborted", reason="LOAD_ABORTED")
-            info = load_model(self.source)
-            if self._load_abort:
-                raise Aborted(f"load of {self.model_id} aborted", reason="LOAD_ABORTED")
+            info = self._load()
         except BaseException as exc:  # noqa: BLE001 - reported through the future
-            gc.collect()
-            mx.clear_cache()
-            self.loaded.set_exception(exc)
-            self.stopped.set_result(0)
+            self._end_failed_load(exc)
             return
         info.measured_bytes = max(0, mx.get_active_memory() - before)
         self.info = info
@@ -262,37 +345,74 @@ class ModelEngine:
                 self._step_boundary(bool(live))
         finally:
             held = mx.get_active_memory()
-            outbox = []
             err = self._stop_error or Unavailable(f"model {self.model_id} stopped")
-            for item in list(live.values()):
-                outbox.append((item.sink, Failed(err)))
-            for h in self._held:
-                outbox.append((h.sink, Failed(err)))
+            outbox = [(item.sink, Failed(err)) for item in live.values()]
+            outbox += [(h.sink, Failed(err)) for h in self._held]
             self._held.clear()
-            self._fail_pending_inserts(err, outbox)
+            self._close_inbox(err, outbox)
             self._deliver(outbox, flush=True)
             live.clear()
             by_id.clear()
             del gen, eos, no_stop
             self.info = None
             del info  # the last reference: the model's arrays go with it
-            gc.collect()
-            mx.synchronize()
-            mx.clear_cache()
-            allocator.trim()
-            self.stats = EngineStats()
+            self._free_memory()
+            self.stats = self._final_stats()
+            self._sample = self._read_sample()
             self.stopped.set_result(max(0, held - mx.get_active_memory()))
 
+    def _load(self) -> LoadedModel:
+        if self._load_abort:
+            raise Aborted(f"load of {self.model_id} aborted", reason="LOAD_ABORTED")
+        info = load_model(self.source)
+        if self._load_abort:
+            # The traceback keeps this frame alive in `loaded`: drop the model first.
+            del info
+            raise Aborted(f"load of {self.model_id} aborted", reason="LOAD_ABORTED")
+        return info
+
+    def _end_failed_load(self, exc: BaseException) -> None:
+        if isinstance(exc, Aborted):
+            log.info("load of %s aborted", self.model_id)
+        else:
+            log.warning("load of %s failed", self.model_id, exc_info=exc)
+        # Frames of a failed load may still hold its arrays; `loaded` keeps the error.
+        _drop_tracebacks(exc)
+        self._free_memory()
+        self._sample = self._read_sample()
+        outbox: list[tuple[asyncio.Queue, Event]] = []
+        self._close_inbox(Unavailable(f"model {self.model_id} failed to load"), outbox)
+        self._deliver(outbox, flush=True)
+        self.loaded.set_exception(exc)
+        self.stopped.set_result(0)
+
+    def _free_memory(self) -> None:
+        gc.collect()
+        mx.synchronize()
+        mx.clear_cache()
+        allocator.trim()
+
+    def _final_stats(self) -> EngineStats:
+        # Request figures go; the counters stay readable after the thread ended.
+        s = self.stats
+        return EngineStats(idle_reclaims=s.idle_reclaims,
+                           pressure_reclaims=s.pressure_reclaims,
+                           stores_skipped=s.stores_skipped)
+
+    def _close_inbox(self, err: PlimsollError, outbox: list) -> None:
+        """From now on callers answer their own commands (`_put`); answer the rest."""
+        with self._inbox_lock:
+            self._closed = True
+        self._fail_pending_inserts(err, outbox)
+        self._fail_sample_waiters()
+
     def _fail_pending_inserts(self, err: PlimsollError, outbox: list) -> None:
-        while True:
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(cmd, _Insert):
-                outbox.append((cmd.sink, Failed(err)))
-            elif isinstance(cmd, _Cancel):
-                cmd.done.set_result([])
+        for cmd in _take_all(self._inbox):
+            _answer_unrun(cmd, err, outbox)
+
+    def _fail_sample_waiters(self) -> None:
+        for done in _take_all(self._sample_waiters):
+            _fail(done, Unavailable(f"model {self.model_id} is not running"))
 
     def _drain_inbox(self, gen, live, by_id, outbox, eos, no_stop, block: bool) -> None:
         timeout = IDLE_WAIT_S if block else None
@@ -309,6 +429,7 @@ class ModelEngine:
             else:
                 self._cancel(gen, cmd, live, by_id, outbox)
         self._admit_held(gen, live, by_id, eos, no_stop)
+        self.stats.waiting_requests = len(self._held)
 
     def _admit_held(self, gen, live, by_id, eos, no_stop) -> None:
         while self._held and len(live) < max(1, self.batch_cap):
@@ -316,7 +437,6 @@ class ModelEngine:
 
     def _insert(self, gen, cmd: _Insert, live, by_id, eos, no_stop) -> None:
         req = cmd.request
-        self.stats.waiting_requests -= 1
         tokens = req.prompt_tokens[cmd.cached_tokens :]
         (uid,) = gen.insert(
             [tokens],
@@ -344,7 +464,6 @@ class ModelEngine:
         held = [h for h in self._held if wanted is None or h.request.request_id in wanted]
         for h in held:
             self._held.remove(h)
-            self.stats.waiting_requests -= 1
             if cmd.error is not None:
                 outbox.append((h.sink, Failed(cmd.error)))
         if wanted is None:
@@ -359,8 +478,8 @@ class ModelEngine:
             if cmd.error is not None:
                 outbox.append((t.sink, Failed(cmd.error)))
         self._refresh_stats(live)
-        cmd.done.set_result([t.request.request_id for t in targets]
-                            + [h.request.request_id for h in held])
+        _settle(cmd.done, [t.request.request_id for t in targets]
+                + [h.request.request_id for h in held])
 
     def _publish_step(self, gen, responses, live, by_id, outbox) -> None:
         now = time.monotonic()
@@ -400,7 +519,7 @@ class ModelEngine:
                 outbox.append((item.sink, self._finished(item, reason, now)))
                 finished.append(item)
                 if self._on_finish is not None and r.prompt_cache is not None:
-                    self._on_finish(req, r.prompt_cache, r.all_tokens or [])
+                    self._store(req, r.prompt_cache, r.all_tokens or [])
         if finished:
             if text_stopped:
                 gen.remove(text_stopped)
@@ -408,6 +527,18 @@ class ModelEngine:
                 live.pop(f.uid, None)
                 by_id.pop(f.request.request_id, None)
         self._refresh_stats(live)
+
+    def _store(self, req: GenerationRequest, cache: list[Any], tokens: list[int]) -> None:
+        """The finish hook, within the store gate's cap; a full gate skips the store."""
+        if not self.store_gate.try_acquire():
+            self.stats.stores_skipped += 1
+            return
+        try:
+            self._on_finish(req, cache, tokens)
+        except Exception:  # noqa: BLE001 - a failed store must not fail the batch
+            log.exception("storing the KV of %s failed on %s", req.request_id, self.model_id)
+        finally:
+            self.store_gate.release()
 
     def _step(self, gen, live, by_id, outbox) -> None:
         planned = self._plan_prefill(gen, live, by_id, outbox)
@@ -445,30 +576,36 @@ class ModelEngine:
         """Before a step that prefills: size the chunk to the headroom, or abort the
         youngest prefilling request when even the smallest chunk would cross the
         pre-chunk abort margin. Returns the tokens the step may prefill."""
-        planner = self.prefill_planner
-        prefilling = [i for i in live.values() if i.first_token_at is None]
-        if planner is None or not prefilling:
-            return 0
-        remaining = sum(len(i.request.prompt_tokens) - i.cached_tokens - i.prefilled
-                        for i in prefilling)
-        if remaining <= 0:
-            return 0
-        chunk, abort = planner.plan(mx.get_active_memory(), remaining)
-        if abort:
+        while True:
+            planner = self.prefill_planner
+            prefilling = [i for i in live.values() if i.first_token_at is None]
+            if planner is None or not prefilling:
+                return 0
+            remaining = sum(len(i.request.prompt_tokens) - i.cached_tokens - i.prefilled
+                            for i in prefilling)
+            if remaining <= 0:
+                return 0
+            active = mx.get_active_memory()
+            chunk, abort = planner.plan(active, remaining)
+            if not abort:
+                gen.prefill_step_size = max(1, chunk)
+                return chunk
             victim = max(prefilling, key=lambda i: i.request.created_at)
-            error = ResourceExhausted(
-                f"prefill of {len(victim.request.prompt_tokens)} tokens would cross the "
-                "memory ceiling's pre-chunk abort margin",
-                reason="PREFILL_EXCEEDS_CEILING",
-                retry_after_s=5.0,
-                metadata={"prompt_tokens": str(len(victim.request.prompt_tokens)),
-                          "model": self.model_id},
-            )
-            self._cancel(gen, _Cancel([victim.request.request_id], error), live, by_id,
-                         outbox)
-            return self._plan_prefill(gen, live, by_id, outbox)
-        gen.prefill_step_size = max(1, chunk)
-        return chunk
+            report = PrefillAbortReport(self.model_id, victim.request.request_id,
+                                        len(victim.request.prompt_tokens), remaining,
+                                        chunk, active)
+            self._cancel(gen, _Cancel([report.request_id], _prefill_error(report)), live,
+                         by_id, outbox)
+            self._report_prefill_abort(report)
+
+    def _report_prefill_abort(self, report: PrefillAbortReport) -> None:
+        hook = self.on_prefill_abort
+        if hook is None:
+            return
+        try:
+            hook(report)
+        except Exception:  # noqa: BLE001 - a broken observer must not stop the engine
+            log.exception("on_prefill_abort failed on %s", self.model_id)
 
     def _track_prefill(self, prompt_responses, live, planned: int, before: int) -> None:
         processed = 0
@@ -509,34 +646,46 @@ class ModelEngine:
         self._last_delivery = now
 
     def _step_boundary(self, busy: bool) -> None:
+        # Only waiters already queued get this boundary's sample: a flag raised before
+        # fresh_sample() was called is then sure to have run (it is read below).
+        waiters = _take_all(self._sample_waiters)
         if self._pressure_reclaim:
             self._pressure_reclaim = False
-            waiters, self._reclaim_waiters = self._reclaim_waiters, []
-            pooled = mx.get_cache_memory()
-            mx.synchronize()
-            mx.clear_cache()
-            # Small buffers (a short session's KV) live on the C heap: hand those pages
-            # back too, or usage never drops and admission sheds on and on.
-            allocator.trim()
-            self._last_reclaimed = max(0, pooled - mx.get_cache_memory())
-            for w in waiters:
-                w.set()
+            self._reclaim_pool()
+            self.stats.pressure_reclaims += 1
         if self._idle_reclaim and not busy:
             self._idle_reclaim = False
-            gc.collect()
-            mx.synchronize()
-            mx.clear_cache()
-            allocator.trim()
+            self._free_memory()
+            self.stats.idle_reclaims += 1
         self._sample_memory()
+        for done in waiters:
+            _settle(done, self._sample)
+
+    def _reclaim_pool(self) -> None:
+        pooled = mx.get_cache_memory()
+        mx.synchronize()
+        mx.clear_cache()
+        # Small buffers (a short session's KV) live on the C heap: hand those pages
+        # back too, or usage never drops and admission sheds on and on.
+        allocator.trim()
+        self._last_reclaimed = max(0, pooled - mx.get_cache_memory())
+        for waiter in _take_all(self._reclaim_waiters):
+            waiter.set()
+
+    def _read_sample(self) -> MlxSample:
+        return MlxSample(mx.get_active_memory(), mx.get_cache_memory(), time.monotonic())
 
     def _sample_memory(self) -> None:
-        self.stats.mlx_active_bytes = mx.get_active_memory()
-        self.stats.mlx_pool_bytes = mx.get_cache_memory()
-        self.stats.sampled_at = time.monotonic()
+        sample = self._read_sample()
+        self._sample = sample
+        self.stats.mlx_active_bytes = sample.active_bytes
+        self.stats.mlx_pool_bytes = sample.pool_bytes
+        self.stats.sampled_at = sample.at
 
     def _refresh_stats(self, live: dict[int, _Live]) -> None:
         items = list(live.values())
         self.stats.active_requests = len(items)
+        self.stats.waiting_requests = len(self._held)
         self.stats.request_ids = tuple(i.request.request_id for i in items)
         self.stats.request_started = tuple(i.request.created_at for i in items)
         self.stats.request_tokens = tuple(len(i.request.prompt_tokens) + i.generated
@@ -546,3 +695,52 @@ class ModelEngine:
 def _put_all(outbox: list[tuple[asyncio.Queue, Event]]) -> None:
     for sink, event in outbox:
         sink.put_nowait(event)
+
+
+def _take_all(waiting: queue.SimpleQueue[_T]) -> list[_T]:
+    taken: list[_T] = []
+    while True:
+        try:
+            taken.append(waiting.get_nowait())
+        except queue.Empty:
+            return taken
+
+
+def _answer_unrun(cmd: _Insert | _Cancel | None, err: PlimsollError, outbox: list) -> None:
+    """A command the engine thread will never run: fail an insert, end nothing."""
+    if isinstance(cmd, _Insert):
+        outbox.append((cmd.sink, Failed(err)))
+    elif isinstance(cmd, _Cancel):
+        _settle(cmd.done, [])
+
+
+def _settle(done: concurrent.futures.Future, result: object) -> None:
+    # The caller may have cancelled it (a timed-out wait): that must not raise here.
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        done.set_result(result)
+
+
+def _fail(done: concurrent.futures.Future, err: BaseException) -> None:
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        done.set_exception(err)
+
+
+def _drop_tracebacks(exc: BaseException) -> None:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+
+
+def _prefill_error(report: PrefillAbortReport) -> ResourceExhausted:
+    return ResourceExhausted(
+        f"prefill of {report.prompt_tokens} tokens would cross the memory ceiling's "
+        "pre-chunk abort margin",
+        reason="PREFILL_EXCEEDS_CEILING",
+        retry_after_s=5.0,
+        metadata={"prompt_tokens": str(report.prompt_tokens), "model": report.model_id,
+                  "remaining_tokens": str(report.remaining_tokens),
+                  "chunk_tokens": str(report.chunk_tokens)},
+    )

@@ -30,6 +30,10 @@ from telemetry import names, tracer
 
 log = logging.getLogger(__name__)
 
+# How often a pending unload looks again at an engine still finishing sequences
+# nobody holds any more (a cancel or abort lands within one step).
+PENDING_UNLOAD_POLL_S = 0.05
+
 
 class ModelState(Enum):
     LOADING = 1
@@ -71,6 +75,8 @@ class ModelEntry:
 
     @property
     def busy(self) -> bool:
+        # in_use covers a request from before submit until its stream ended, the
+        # window the engine's own figures (its batch and held inserts) cannot see.
         return self.in_use > 0 or (self.engine is not None and self.engine.busy)
 
 
@@ -78,6 +84,7 @@ class ModelEntry:
 class UnloadResult:
     freed_bytes: int
     aborted_requests: int
+    ended_request_ids: tuple[str, ...] = ()  # the requests the unload ended
 
 
 class ModelPool:
@@ -98,6 +105,8 @@ class ModelPool:
         # Called before a load with (entry, estimated bytes); may evict or raise.
         self.load_guard: Callable[[ModelEntry, int | None], Awaitable[None]] | None = None
         self._measured: dict[str, int] = {}  # source -> bytes measured at its last load
+        # model id -> the task that unloads it once idle (kept so it is not collected)
+        self._pending_unloads: dict[str, asyncio.Future[None]] = {}
 
     # -- lookup -------------------------------------------------------------------
     def entries(self) -> list[ModelEntry]:
@@ -149,8 +158,40 @@ class ModelPool:
     def release(self, entry: ModelEntry) -> None:
         entry.in_use = max(0, entry.in_use - 1)
         self.touch(entry)
-        if entry.pending_unload_reason and not entry.busy:
-            asyncio.ensure_future(self.unload_if_pending(entry.model_id))
+        if entry.pending_unload_reason and entry.in_use == 0:
+            self._unload_once_idle(entry.model_id)
+
+    def mark_pending_unload(self, model_id: str, reason: str) -> None:
+        """Refuse new requests for the model and unload it once it is idle."""
+        entry = self.get(model_id)
+        entry.pending_unload_reason = reason
+        if entry.in_use == 0:
+            self._unload_once_idle(model_id)
+
+    def _unload_once_idle(self, model_id: str) -> None:
+        running = self._pending_unloads.get(model_id)
+        if running is not None and not running.done():
+            return
+        task = asyncio.ensure_future(self._wait_idle_then_unload(model_id))
+        self._pending_unloads[model_id] = task
+        task.add_done_callback(lambda t: self._forget_pending_unload(model_id, t))
+
+    def _forget_pending_unload(self, model_id: str, task: asyncio.Future[None]) -> None:
+        if self._pending_unloads.get(model_id) is task:
+            del self._pending_unloads[model_id]
+
+    async def _wait_idle_then_unload(self, model_id: str) -> None:
+        # The last holder has gone, but the engine may still be ending its sequences
+        # (a client cancel is queued, not done): wait for them, then unload.
+        while True:
+            entry = self._entries.get(model_id)
+            if (entry is None or not entry.pending_unload_reason or entry.in_use > 0
+                    or entry.state != ModelState.READY):
+                return  # cleared, held again (its release schedules this anew) or gone
+            if not entry.busy:
+                break
+            await asyncio.sleep(PENDING_UNLOAD_POLL_S)
+        await self.unload_if_pending(model_id)
 
     def estimate_bytes(self, source: str) -> int | None:
         """What loading `source` will take: measured last time, else its weight files."""
@@ -282,6 +323,8 @@ class ModelPool:
         return UnloadResult(freed_bytes=freed, aborted_requests=active)
 
     async def close(self) -> None:
+        for task in list(self._pending_unloads.values()):
+            task.cancel()
         for entry in self.entries():
             if entry.engine is not None:
                 await asyncio.wrap_future(entry.engine.stop())

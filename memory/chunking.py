@@ -1,10 +1,12 @@
-"""Adaptive prefill chunk sizing against the stable abort cap. Pure.
+"""Adaptive prefill chunk sizing against the ceiling recomputed every tick. Pure.
 
 The chunk is as many tokens as fit between current usage and a tier fraction
-of the stable abort cap (0.90 safe, 0.92 balanced, 0.97 aggressive, 0.95
-custom), clamped to [min_chunk, max_chunk]: it shrinks as projected usage
-nears that line. Before each chunk, `should_abort_before_chunk` checks the
-projected usage against the pre-chunk abort margin (0.90, 0.93, 0.97, 0.95).
+of the hard ceiling — the one recomputed every tick, dynamic term included —
+(0.90 safe, 0.92 balanced, 0.97 aggressive, 0.95 custom), clamped to
+[min_chunk, max_chunk]: it shrinks as projected usage nears that line. Before
+each chunk, `should_abort_before_chunk` checks the projected usage against the
+pre-chunk abort margin (0.90, 0.93, 0.97, 0.95) of the stable abort cap, as
+oMLX keeps it, and never lets a chunk run past the ceiling itself.
 
 The per-token cost is an EWMA of measured bytes per prefilled token with the
 model's static estimate (KV bytes per token + transient) as a floor, so one
@@ -62,20 +64,26 @@ class PrefillCostModel:
         return max(self.static_bytes_per_token, measured)
 
 
-def prefill_target_bytes(tier: Tier, abort_cap_bytes: int) -> int:
-    """The usage a chunk may grow to: the tier's chunk fraction of the stable cap."""
-    return int(abort_cap_bytes * prefill_chunk_fraction(tier))
+def prefill_target_bytes(tier: Tier, ceiling_bytes: int) -> int:
+    """The usage a chunk may grow to: the tier's chunk fraction of the ceiling."""
+    return int(ceiling_bytes * prefill_chunk_fraction(tier))
 
 
 def prefill_abort_bytes(tier: Tier, abort_cap_bytes: int) -> int:
-    """Projected usage above which a chunk must not start."""
+    """The pre-chunk abort margin of the stable cap."""
     return int(abort_cap_bytes * prefill_abort_margin(tier))
+
+
+def prefill_abort_line(tier: Tier, abort_cap_bytes: int, ceiling_bytes: int) -> int:
+    """Projected usage above which a chunk must not start: the abort margin of the
+    stable cap, and never past the ceiling."""
+    return min(prefill_abort_bytes(tier, abort_cap_bytes), ceiling_bytes)
 
 
 def plan_chunk(
     *,
     tier: Tier,
-    abort_cap_bytes: int,
+    ceiling_bytes: int,
     usage_bytes: int,
     bytes_per_token: float,
     remaining_tokens: int,
@@ -89,7 +97,7 @@ def plan_chunk(
     """
     if remaining_tokens <= 0:
         return 0
-    headroom = prefill_target_bytes(tier, abort_cap_bytes) - usage_bytes
+    headroom = prefill_target_bytes(tier, ceiling_bytes) - usage_bytes
     if bytes_per_token <= 0:
         fit = max_chunk
     elif headroom <= 0:
@@ -104,10 +112,11 @@ def should_abort_before_chunk(
     *,
     tier: Tier,
     abort_cap_bytes: int,
+    ceiling_bytes: int,
     usage_bytes: int,
     chunk_tokens: int,
     bytes_per_token: float,
 ) -> bool:
-    """True when usage after this chunk would pass the tier's pre-chunk abort margin."""
+    """True when usage after this chunk would pass the pre-chunk abort line."""
     projected = usage_bytes + chunk_tokens * max(0.0, bytes_per_token)
-    return projected > prefill_abort_bytes(tier, abort_cap_bytes)
+    return projected > prefill_abort_line(tier, abort_cap_bytes, ceiling_bytes)

@@ -22,7 +22,6 @@ from memory.levels import (
     EMPTY_POLL_S,
     GIB,
     HARD_THRESHOLD,
-    HYSTERESIS_FRACTION,
     IDLE_POLL_S,
     POOL_RECLAIM_FLOOR_BYTES,
     PREFILL_MAX_CHUNK_TOKENS,
@@ -32,7 +31,7 @@ from memory.levels import (
     soft_threshold,
 )
 
-MAX_HYSTERESIS_FRACTION = 0.2
+MAX_RESUME_BAND_FRACTION = 0.2
 
 
 class AbortOrder(enum.StrEnum):
@@ -61,7 +60,9 @@ class MemoryConfig:
     active_poll_s: float = ACTIVE_POLL_S
     idle_poll_s: float = IDLE_POLL_S
     empty_poll_s: float = EMPTY_POLL_S
-    hysteresis_fraction: float = HYSTERESIS_FRACTION
+    # Beyond the seed, opt-in: after pressure, admission resumes only once usage is
+    # this share of the ceiling below the soft mark. The level itself is ok below soft.
+    resume_band_fraction: float = 0.0
     abort_order: AbortOrder = AbortOrder.ALL
     pressure_reclaim: bool = True  # False: never ask engines to drain the pool, never defer
     pool_reclaim_floor_bytes: int = POOL_RECLAIM_FLOOR_BYTES
@@ -114,10 +115,10 @@ class MemoryConfig:
         for name in ("active_poll_s", "idle_poll_s", "empty_poll_s"):
             if not getattr(self, name) > 0:
                 errors.append(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.hysteresis_fraction <= MAX_HYSTERESIS_FRACTION:
+        if not 0 <= self.resume_band_fraction <= MAX_RESUME_BAND_FRACTION:
             errors.append(
-                f"hysteresis_fraction must be in [0, {MAX_HYSTERESIS_FRACTION}], "
-                f"got {self.hysteresis_fraction}"
+                f"resume_band_fraction must be in [0, {MAX_RESUME_BAND_FRACTION}], "
+                f"got {self.resume_band_fraction}"
             )
         if self.operator_cap_bytes is not None and self.operator_cap_bytes <= 0:
             errors.append(f"operator_cap_bytes must be > 0, got {self.operator_cap_bytes}")

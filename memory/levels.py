@@ -1,8 +1,7 @@
 """Pressure levels, tiers and the constants of the memory policy.
 
 Every number the enforcer, the ceiling and the prefill chunk sizer use is named
-here, with the tier tables from oMLX's ``ProcessMemoryEnforcer`` (see
-``reference/omlx.md``). Nothing in this module does I/O.
+here, with the tier tables of the seed's enforcer. Nothing in this module does I/O.
 """
 
 from __future__ import annotations
@@ -73,9 +72,6 @@ SOFT_THRESHOLD: Mapping[Tier, float] = _frozen(
     {Tier.SAFE: 0.85, Tier.BALANCED: 0.90, Tier.AGGRESSIVE: 0.925, Tier.CUSTOM: 0.85}
 )
 HARD_THRESHOLD = 0.95
-# Hysteresis: leaving a level downward needs usage below the mark minus this
-# share of the ceiling; going up is immediate.
-HYSTERESIS_FRACTION = 0.02
 
 # -- emergency (not the hard mark) --------------------------------------------
 EMERGENCY_MARGIN_BYTES = 2 * GIB  # usage >= ceiling + 2 GiB

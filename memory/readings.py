@@ -7,9 +7,10 @@ One `MemoryReadings` per measurement. Every figure says where it came from
 its ancestors, the PSI file, the Metal/CUDA device cap) and then reads cheap,
 already-open files with `os.pread` each tick.
 
-MLX figures come from a callable: while models decode the enforcer passes the
-engine thread's latest sample (MLX must not be called from the asyncio
-thread then); with no callable the reader asks MLX directly.
+MLX figures come from the engine threads' own samples (`MlxFigures`), never from
+an MLX call here: MLX belongs to the engine threads. With no sample (no model
+loaded, or every sample too old) the MLX terms are unavailable and usage is
+the footprint alone, which on Linux and macOS already includes MLX's memory.
 """
 
 from __future__ import annotations
@@ -45,7 +46,18 @@ PSI_CRITICAL_FULL_AVG10 = 10.0
 # macOS kern.memorystatus_vm_pressure_level values.
 _DARWIN_PRESSURE = {1: "normal", 2: "warning", 4: "critical"}
 
-MlxSample = Callable[[], "tuple[int, int] | None"]
+
+
+@dataclass(frozen=True)
+class MlxFigures:
+    """MLX's allocator as an engine thread sampled it (process-wide figures)."""
+
+    active_bytes: int
+    pool_bytes: int
+    at: float  # monotonic seconds when sampled
+
+
+MlxSample = MlxFigures
 
 
 @dataclass(frozen=True)
@@ -477,9 +489,9 @@ class MemoryReader:
         return out
 
     # -- reading --------------------------------------------------------------
-    def read(self, mlx_sample: MlxSample | None = None) -> MemoryReadings:
+    def read(self, mlx: MlxFigures | None = None) -> MemoryReadings:
         sources: dict[str, str] = {}
-        active, pool = self._read_mlx(mlx_sample, sources)
+        active, pool = self._read_mlx(mlx, sources)
         footprint = self._read_footprint(sources)
         available, free, inactive, act = self._read_system(sources)
         limit, usage = self._read_container(sources)
@@ -507,29 +519,15 @@ class MemoryReader:
             sources=sources,
         )
 
+    @staticmethod
     def _read_mlx(
-        self, mlx_sample: MlxSample | None, sources: dict[str, str]
+        mlx: MlxFigures | None, sources: dict[str, str]
     ) -> tuple[int | None, int | None]:
-        if mlx_sample is not None:
-            try:
-                sample = mlx_sample()
-            except Exception:
-                log.exception("engine MLX sample failed")
-                sample = None
-            if sample is None:
-                sources["mlx"] = "unavailable (engines busy, no sample yet)"
-                return None, None
-            sources["mlx"] = "engine thread sample"
-            return int(sample[0]), int(sample[1])
-        try:
-            import mlx.core as mx
-
-            active, pool = int(mx.get_active_memory()), int(mx.get_cache_memory())
-        except Exception:
-            sources["mlx"] = "unavailable"
+        if mlx is None:
+            sources["mlx"] = "unavailable (no fresh engine sample)"
             return None, None
-        sources["mlx"] = "mlx get_active_memory/get_cache_memory"
-        return active, pool
+        sources["mlx"] = "engine thread sample"
+        return int(mlx.active_bytes), int(mlx.pool_bytes)
 
     def _read_footprint(self, sources: dict[str, str]) -> int | None:
         if self._darwin_api is not None:
@@ -666,6 +664,6 @@ def default_reader() -> MemoryReader:
     return _default_reader
 
 
-def read_memory(mlx_sample: MlxSample | None = None) -> MemoryReadings:
-    """Read memory now. `mlx_sample` gives (active, pool) from an engine thread; None asks MLX."""
-    return default_reader().read(mlx_sample)
+def read_memory(mlx: MlxFigures | None = None) -> MemoryReadings:
+    """Read memory now, with an engine thread's MLX figures when there are some."""
+    return default_reader().read(mlx)

@@ -48,3 +48,25 @@ class EngineView:
     @property
     def loading(self) -> bool:
         return self.state is EngineState.LOADING
+
+
+@dataclass(frozen=True)
+class BankFigures:
+    """The session bank as admission sees it for one prompt (dry-run figures)."""
+
+    total_bytes: int = 0
+    max_bytes: int | None = None  # the bank's configured budget
+    lru_freeable_bytes: int = 0  # shrink_to_bytes(0, protect_active=True) could free
+    lru_freeable_entries: int = 0
+    chain_freeable_bytes: int = 0  # shrink_for_admission(0, prompt) could free after that
+    chain_freeable_entries: int = 0
+    restore_prefix_tokens: int = 0  # the prompt's restore source length
+
+
+@dataclass(frozen=True)
+class QueueView:
+    """The admission gate's state: requests holding a slot and requests waiting."""
+
+    in_flight: int = 0
+    waiting: int = 0
+    limit: int = 32

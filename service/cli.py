@@ -18,9 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.demo_models import DEMO_SIZES
 from engine.model_engine import EngineSettings
 from memory.config import MemoryConfig
+from memory.plans.admission import validate_scheduler_settings
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from service.server import MiB, ServerConfig, serve
-from sessions.admission import SchedulerMode, validate_scheduler_settings
 from telemetry.setup import TelemetrySettings
 
 DEFAULT_PORT = 50051
@@ -263,9 +263,9 @@ def _serve(args) -> int:
         telemetry=TelemetrySettings(otlp_endpoint=args.otlp_endpoint),
     )
     config.memory = memory_config(args)
-    rt = config.runtime
+    rt = config.service
     rt.max_queued_requests = args.max_queued_requests
-    rt.scheduler_mode = SchedulerMode(args.scheduler_mode)
+    rt.scheduler_mode = args.scheduler_mode
     rt.admission_queue_limit = args.admission_queue_limit
     rt.admission_timeout_s = args.admission_timeout
     rt.chain_shed = not args.no_admission_chain_shed

@@ -8,9 +8,10 @@ from google.protobuf import timestamp_pb2
 
 from engine.pool import ModelEntry, ModelState
 from engine.request import ChatMessage, Chunk, Finished, FinishReason, SamplingParams
+from memory.levels import PressureLevel
 from plimsoll.v1 import control_pb2, inference_pb2, types_pb2
-from service.leases import ModelLease
-from service.runtime import Admitted, GenerateSpec
+from service.generate import Admitted, GenerateSpec
+from sessions.leases import HeldLease
 
 _FINISH = {
     FinishReason.STOP: inference_pb2.FINISH_REASON_STOP,
@@ -115,6 +116,7 @@ def model_to_wire(e: ModelEntry) -> control_pb2.ModelInfo:
         kv_bytes_per_token=e.kv_bytes_per_token,
         is_default=e.is_default,
         batch_cap=e.engine.batch_cap if e.engine else 0,
+        store_cache_cap=e.engine.store_gate.cap if e.engine else 0,
         pending_unload=e.pending_unload_reason,
     )
     if e.last_used_wall:
@@ -152,14 +154,15 @@ def limits_to_wire(limits) -> types_pb2.MemoryLimits:
     )
 
 
-def level_to_wire(level, emergency: bool = False) -> int:
-    return types_pb2.PRESSURE_LEVEL_EMERGENCY if emergency else int(level)
+def level_to_wire(level: PressureLevel) -> int:
+    """The domain level's value is the wire enum's (EMERGENCY included)."""
+    return int(level)
 
 
 def transition_to_wire(t, readings, limits) -> control_pb2.PressureTransition:
     return control_pb2.PressureTransition(
         from_level=int(t.from_level),
-        to_level=level_to_wire(t.to_level, t.emergency),
+        to_level=level_to_wire(t.to_level),
         readings=readings_to_wire(readings),
         limits=limits_to_wire(limits),
         reason=t.reason,
@@ -168,7 +171,7 @@ def transition_to_wire(t, readings, limits) -> control_pb2.PressureTransition:
 
 def sample_to_wire(sample) -> control_pb2.PressureSample:
     return control_pb2.PressureSample(
-        level=level_to_wire(sample.level, sample.emergency),
+        level=level_to_wire(sample.level),
         readings=readings_to_wire(sample.readings),
         limits=limits_to_wire(sample.limits),
     )
@@ -181,25 +184,17 @@ def _wall(monotonic_at: float) -> float:
     return time.time() + (monotonic_at - time.monotonic())
 
 
-def model_lease_to_wire(lease) -> control_pb2.Lease:
-    msg = control_pb2.Lease(lease_id=lease.lease_id, model=lease.model_id, owner=lease.owner)
-    if lease.expires_at is not None:
-        msg.expires_at.CopyFrom(timestamp(lease.expires_at))
+def lease_to_wire(held: HeldLease) -> control_pb2.Lease:
+    """A lease on a model or on a session's cache."""
+    lease = held.lease
+    msg = control_pb2.Lease(lease_id=lease.lease_id, owner=lease.owner)
+    if lease.model_id:
+        msg.model = lease.model_id
+    else:
+        msg.session_id = lease.session_id
+    if held.expires_at is not None:
+        msg.expires_at.CopyFrom(timestamp(_wall(held.expires_at)))
     return msg
-
-
-def session_pin_to_wire(pin) -> control_pb2.Lease:
-    msg = control_pb2.Lease(lease_id=pin.lease_id, session_id=pin.session_id, owner=pin.owner)
-    if pin.expires_at is not None:
-        msg.expires_at.CopyFrom(timestamp(_wall(pin.expires_at)))
-    return msg
-
-
-def lease_to_wire(lease) -> control_pb2.Lease:
-    """A model lease or a session pin, whichever Pin took."""
-    if isinstance(lease, ModelLease):
-        return model_lease_to_wire(lease)
-    return session_pin_to_wire(lease)
 
 
 def session_to_wire(info, pinned: bool) -> control_pb2.SessionInfo:

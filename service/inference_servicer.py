@@ -1,4 +1,4 @@
-"""InferenceService: Generate, mapped between the wire and the runtime."""
+"""InferenceService: Generate, mapped between the wire and the Generate pipeline."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ from engine.errors import OutOfRange, PlimsollError
 from engine.request import Chunk, Finished
 from plimsoll.v1 import inference_pb2_grpc
 from service import convert, status
-from service.runtime import Admitted, Runtime
+from service.generate import Admitted, GeneratePipeline
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
-    def __init__(self, runtime: Runtime, max_message_bytes: int) -> None:
-        self._runtime = runtime
+    def __init__(self, pipeline: GeneratePipeline, max_message_bytes: int) -> None:
+        self._pipeline = pipeline
         self._max_message_bytes = max_message_bytes
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         try:
             self._check_size(request)
-            async for event in self._runtime.generate(convert.spec_from_wire(request)):
+            async for event in self._pipeline.generate(convert.spec_from_wire(request)):
                 if isinstance(event, Chunk):
                     yield convert.chunk_to_wire(event)
                 elif isinstance(event, Admitted):

@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 
 from google.protobuf import timestamp_pb2
 
+from memory.actions import Action, Outcome, Transition, model_of, reason_of
+from memory.ceiling import Limits
+from memory.governor import TickSample
+from memory.levels import PressureLevel
+from memory.readings import MemoryReadings
+from memory.recording import event_kind
 from plimsoll.v1 import control_pb2
+from service import convert
 
 DEFAULT_CAPACITY = 1024
 
@@ -119,69 +126,83 @@ class PressureBroker:
             sub.offer(kind, payload, when)
 
 
-# -- the enforcer's sink ---------------------------------------------------------------
-
-_ACTION_KINDS = {
-    "EvictModel": "evict_model",
-    "AbortRequests": "abort_requests",
-    "AbortLoad": "abort_load",
-    "MarkPendingUnload": "mark_pending_unload",
-    "PressureReclaim": "pressure_reclaim",
-    "IdleReclaim": "idle_reclaim",
-    "ShrinkSessionCache": "shrink_sessions",
-    "ClearAuxCaches": "clear_aux_caches",
-    "PauseAdmission": "pause_admission",
-    "ResumeAdmission": "resume_admission",
-    "AdjustStoreCacheCap": "store_cache_cap",
-}
+# -- the governor's sink ---------------------------------------------------------------
 
 
 class PressurePublisher:
-    """Turns enforcer events into WatchPressure messages for the broker."""
+    """`memory.protocols.PressureSink`: governor events as WatchPressure messages.
+
+    It keeps the state it last published (level, readings, limits), so a new
+    subscriber's snapshot is exactly where the stream it joins stands: a
+    subscriber joining in the middle of a tick sees the level of the last
+    transition published, and the next transition starts from that level.
+    """
 
     def __init__(self, broker: PressureBroker) -> None:
         self.broker = broker
-        self._caps: dict[str, int] = {}
-        self.level = 1  # wire level of the last tick
+        self._caps: dict[tuple[str, str], int] = {}
+        self._level = PressureLevel.OK
+        self._readings: MemoryReadings | None = None
+        self._limits: Limits | None = None
 
-    def on_transition(self, transition, readings, limits) -> None:
-        from service.convert import transition_to_wire
+    @property
+    def level(self) -> PressureLevel:
+        return self._level
 
-        msg = transition_to_wire(transition, readings, limits)
-        self.level = msg.to_level  # actions after it in the tick act at this level
-        self.broker.publish("transition", msg)
+    def snapshot(self) -> control_pb2.PressureSnapshot | None:
+        """Where the stream stands now; None before the first measurement."""
+        if self._readings is None or self._limits is None:
+            return None
+        return control_pb2.PressureSnapshot(
+            level=int(self._level),
+            readings=convert.readings_to_wire(self._readings),
+            limits=convert.limits_to_wire(self._limits),
+        )
 
-    def on_sample(self, sample) -> None:
-        from service.convert import level_to_wire, sample_to_wire
+    def subscribe(self, include_samples: bool, include_actions: bool) -> Subscriber | None:
+        snapshot = self.snapshot()
+        if snapshot is None:
+            return None
+        return self.broker.subscribe(snapshot, include_samples, include_actions)
 
-        self.level = level_to_wire(sample.level, sample.emergency)
+    def on_transition(self, transition: Transition, readings: MemoryReadings,
+                      limits: Limits) -> None:
+        self._level, self._readings, self._limits = transition.to_level, readings, limits
+        self.broker.publish("transition", convert.transition_to_wire(transition, readings,
+                                                                     limits))
+
+    def on_sample(self, sample: TickSample) -> None:
+        self._level = sample.level
+        self._readings, self._limits = sample.readings, sample.limits
         if self.broker.subscriber_count:
-            self.broker.publish("sample", sample_to_wire(sample))
+            self.broker.publish("sample", convert.sample_to_wire(sample))
 
-    def on_action(self, action, outcome) -> None:
-        kind = _ACTION_KINDS.get(type(action).__name__)
-        if kind is None:
-            return
-        model = getattr(action, "model_id", "")
-        if kind == "store_cache_cap":
+    def on_action(self, action: Action, outcome: Outcome) -> None:
+        kind = event_kind(action)
+        if kind is None or not outcome.done:
+            return  # bookkeeping, or decided but not carried out: not news
+        model = model_of(action) or ""
+        if kind in _CAPS:
             # Every tick walks every cap; only a change is news.
-            if outcome.value is None or self._caps.get(model) == outcome.value:
+            key = (kind, model)
+            if outcome.value is None or self._caps.get(key) == outcome.value:
                 return
-            self._caps[model] = outcome.value
-        level = getattr(action, "level", None)
+            self._caps[key] = outcome.value
+        if not self.broker.subscriber_count:
+            return
+        reason = reason_of(action) or ""
+        if kind in _CAPS:
+            reason = f"cap {outcome.value}"
         msg = control_pb2.EnforcerAction(
             kind=kind,
             model=model,
-            request_ids=list(outcome.request_ids or ()),
+            request_ids=list(outcome.request_ids),
             bytes_freed=max(0, int(outcome.bytes_freed or 0)),
             entries_evicted=int(outcome.entries or 0),
-            reason=getattr(action, "reason", "") or (
-                f"cap {outcome.value}" if kind == "store_cache_cap" else ""),
-            level=int(level) if level is not None else self.level,
+            reason=reason,
+            level=int(self._level),
         )
         self.broker.publish("action", msg)
 
-    def on_load_eviction(self, victim: str, loading: str, freed: int) -> None:
-        self.broker.publish("action", control_pb2.EnforcerAction(
-            kind="evict_model", model=victim, bytes_freed=freed,
-            reason=f"make_room_for_load:{loading}", level=self.level))
+
+_CAPS = frozenset({"store_cache_cap", "batch_cap"})

@@ -20,11 +20,13 @@ from engine.demo_models import ensure_demo_model
 from engine.model_engine import EngineSettings
 from engine.pool import ModelPool
 from memory.config import MemoryConfig
+from memory.protocols import ReadingsSource
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
+from service.assembly import Service, ServiceSettings
 from service.control_servicer import ControlServicer
 from service.inference_servicer import InferenceServicer
+from service.lifecycle import settle_heap
 from service.pressure_broker import PressureBroker, PressurePublisher
-from service.runtime import Runtime, RuntimeSettings, settle_heap
 from telemetry.setup import TelemetrySettings, setup
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ class ServerConfig:
     max_message_bytes: int = 64 * MiB
     drain_grace_s: float = 30.0
     engine: EngineSettings = field(default_factory=EngineSettings)
-    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    service: ServiceSettings = field(default_factory=ServiceSettings)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
 
@@ -53,7 +55,7 @@ class _MethodAwarePool:
     """The default descriptor pool, able to find the file of a method symbol.
 
     upb's `FindFileContainingSymbol` does not know method names
-    (grpc/grpc#34743), so `grpcurl describe pkg.Service.Method` would answer
+    (a known gap of the upb backend), so `grpcurl describe pkg.Service.Method` would answer
     "Symbol not found"; fall back to the service that owns the method.
     """
 
@@ -89,13 +91,16 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class PlimsollServer:
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, reader: ReadingsSource | None = None) -> None:
+        """`reader`: where memory readings come from (default: this process and machine)."""
         self.config = config
+        self._reader = reader
         self.port = 0
         self.health = HealthServicer()
         self._server: grpc.aio.Server | None = None
-        self.runtime: Runtime | None = None
+        self.service: Service | None = None
         self.broker = PressureBroker()
+        self.publisher = PressurePublisher(self.broker)
         self._enforcer_task: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 
@@ -104,8 +109,8 @@ class PlimsollServer:
         allocator.release_large_allocations_on_free()
         loop = asyncio.get_running_loop()
         pool = ModelPool(loop, self.config.engine)
-        self.runtime = Runtime(pool, self.config.runtime, self.config.memory,
-                               sink=PressurePublisher(self.broker))
+        self.service = svc = Service(pool, self.config.service, self.config.memory,
+                                     sink=self.publisher, reader=self._reader)
         pool.listeners.append(self._on_pool_change)
         server = grpc.aio.server(
             # Health and reflection stay untraced: they are noise, and their aio
@@ -117,10 +122,10 @@ class PlimsollServer:
             options=grpc_options(2 * self.config.max_message_bytes),
         )
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-            InferenceServicer(self.runtime, self.config.max_message_bytes), server
+            InferenceServicer(svc.pipeline, self.config.max_message_bytes), server
         )
         control_pb2_grpc.add_ControlServiceServicer_to_server(
-            ControlServicer(self.runtime, self.broker), server
+            ControlServicer(svc, self.publisher), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
@@ -135,10 +140,10 @@ class PlimsollServer:
         self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
+        await svc.governor.tick()  # a first snapshot before anyone subscribes
         await server.start()
         self._server = server
-        if self.runtime.enforcer is not None:
-            self._enforcer_task = asyncio.create_task(self.runtime.enforcer.run())
+        self._enforcer_task = asyncio.create_task(svc.governor.run())
         log.info("listening on %s:%d", self.config.host, self.port)
         return self.port
 
@@ -148,17 +153,17 @@ class PlimsollServer:
             path = await asyncio.to_thread(
                 ensure_demo_model, self.config.demo_size, self.config.cache_dir
             )
-            await self.runtime.pool.load(str(path), f"demo-{self.config.demo_size}", default=True)
+            await self.service.pool.load(str(path), f"demo-{self.config.demo_size}", default=True)
             return
         for i, source in enumerate(sources):
-            await self.runtime.pool.load(source, default=(i == 0))
+            await self.service.pool.load(source, default=(i == 0))
 
     def _on_pool_change(self) -> None:
-        if self.runtime is None or self.runtime.draining:
+        if self.service is None or self.service.draining:
             return
         state = (
             health_pb2.HealthCheckResponse.SERVING
-            if self.runtime.pool.any_ready()
+            if self.service.pool.any_ready()
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for name in ("", INFERENCE):
@@ -166,19 +171,19 @@ class PlimsollServer:
 
     async def drain(self) -> None:
         """Stop taking work, let in-flight streams finish (up to the grace), then exit."""
-        if self.runtime is None or self.runtime.draining:
+        svc = self.service
+        if svc is None or svc.draining:
             return
-        log.info("draining: %d request(s) in flight", self.runtime.in_flight)
-        self.runtime.draining = True
+        log.info("draining: %d request(s) in flight", svc.pipeline.in_flight)
+        svc.lifecycle.draining = True
         await self.health.enter_graceful_shutdown()
         self.broker.close_all()  # watch streams end; in-flight Generates finish
         if self._server is not None:
             await self._server.stop(self.config.drain_grace_s)
-        if self.runtime.enforcer is not None:
-            self.runtime.enforcer.stop()
+        svc.governor.stop()
         if self._enforcer_task is not None:
             self._enforcer_task.cancel()
-        await self.runtime.pool.close()
+        await svc.pool.close()
         self._stopped.set()
 
     async def wait(self) -> None:
@@ -194,7 +199,7 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     await server.start()
     await server.load_initial_models()
     settle_heap()
-    log.info("ready: %s", ", ".join(e.model_id for e in server.runtime.pool.entries()))
+    log.info("ready: %s", ", ".join(e.model_id for e in server.service.pool.entries()))
     if ready is not None:
         ready.set()
     await server.wait()

@@ -33,17 +33,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from opentelemetry import metrics, trace
+from opentelemetry import trace
 
 import telemetry
+from memory.actions import ShrinkMode
+from memory.views import BankFigures
 from telemetry import names
+from telemetry.instruments import Instruments, instruments
 
 from .trie import TokenTrie
 
@@ -209,47 +210,6 @@ class BankStats:
     evictions: dict[str, int] = field(default_factory=dict)
 
 
-# -- telemetry -------------------------------------------------------------
-
-class _Instruments:
-    """The bank's instruments on one meter; the gauges observe every live bank using it."""
-
-    def __init__(self, meter: metrics.Meter) -> None:
-        self.banks: weakref.WeakSet[SessionBank] = weakref.WeakSet()
-        meter.create_observable_gauge(
-            names.METRIC_BANK_BYTES, [self._observe_bytes], unit="By",
-            description="Bytes held by the session bank, live references included",
-        )
-        meter.create_observable_gauge(
-            names.METRIC_BANK_ENTRIES, [self._observe_entries],
-            description="Entries in the session bank",
-        )
-        self.hits = meter.create_counter(names.METRIC_BANK_HITS, description="Session bank hits")
-        self.misses = meter.create_counter(names.METRIC_BANK_MISSES,
-                                           description="Session bank misses")
-        self.evictions = meter.create_counter(names.METRIC_EVICTIONS,
-                                              description="Evictions by reason")
-
-    def _observe_bytes(self, _options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        yield metrics.Observation(sum(b.total_bytes() for b in list(self.banks)))
-
-    def _observe_entries(self, _options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
-        yield metrics.Observation(sum(b.entry_count() for b in list(self.banks)))
-
-
-_INSTRUMENTS: dict[metrics.Meter | None, _Instruments] = {}  # None: telemetry.meter()
-_instruments_lock = threading.Lock()
-
-
-def _instruments_for(meter: metrics.Meter | None) -> _Instruments:
-    """Instruments are created once per meter (once per process for the default)."""
-    with _instruments_lock:
-        inst = _INSTRUMENTS.get(meter)
-        if inst is None:
-            inst = _INSTRUMENTS[meter] = _Instruments(meter or telemetry.meter())
-        return inst
-
-
 # -- ordering helpers ------------------------------------------------------
 
 
@@ -300,7 +260,7 @@ class SessionBank:
         on_evict: OnEvict | None = None,
         supersede_anonymous: bool = False,
         tracer: trace.Tracer | None = None,
-        meter: metrics.Meter | None = None,
+        inst: Instruments | None = None,
     ) -> None:
         self.max_bytes = max_bytes
         self.per_session_max_bytes = per_session_max_bytes
@@ -325,9 +285,9 @@ class SessionBank:
         self._misses = 0
         self._evictions: Counter[str] = Counter()
         self._last_now = float("-inf")
-        self._dynamic_ceiling: int | None = None
-        self._metrics = _instruments_for(meter)
-        self._metrics.banks.add(self)
+        self._metrics = inst or instruments()
+        self._metrics.bank_bytes.register(self, lambda b: b.total_bytes())
+        self._metrics.bank_entries.register(self, lambda b: b.entry_count())
 
     # -- read-only views ---------------------------------------------------
 
@@ -339,14 +299,9 @@ class SessionBank:
         return len(self._entries)
 
     @property
-    def effective_max_bytes(self) -> int:
-        """min(max_bytes, the dynamic ceiling last recorded by `hold_to_ceiling`)."""
-        if self._dynamic_ceiling is None:
-            return self.max_bytes
-        return min(self.max_bytes, self._dynamic_ceiling)
-
-    def set_dynamic_ceiling(self, ceiling_bytes: int | None) -> None:
-        self._dynamic_ceiling = ceiling_bytes
+    def total_nbytes(self) -> int:
+        """Bytes held now, live references included (the seed's name for `total_bytes`)."""
+        return self._total
 
     def session_bytes(self, session_id: str) -> int:
         return self._session_bytes.get(session_id, 0)
@@ -418,11 +373,10 @@ class SessionBank:
     def longest_prefix(self, model: str, tokens: Sequence[int]) -> SessionEntry | None:
         """The entry to restore `tokens` from (strict-prefix rule), counting a hit or miss.
 
-        Expires idle entries first (lazily, besides the enforcer's tick) and
-        marks the hit entry as used now.
+        Marks the hit entry as used now. (Entries past the idle TTL go on the
+        governor's tick.)
         """
         key = tuple(tokens)
-        self.expire_idle()
         with self._lock:
             entry = self._restore_source(model, key)
             if entry is not None:
@@ -431,7 +385,7 @@ class SessionBank:
                 self._touch(entry, self._now())
             else:
                 self._misses += 1
-        counter = self._metrics.hits if entry is not None else self._metrics.misses
+        counter = self._metrics.bank_hits if entry is not None else self._metrics.bank_misses
         counter.add(1, {names.ATTR_MODEL: model})
         return entry
 
@@ -575,8 +529,62 @@ class SessionBank:
                 if not (e.session_id is not None and e.session_id in active):
                     victims.append(e)
             self._evict_all(victims)
-        self._dispatch([(e, REASON_IDLE_TTL) for e in victims])
+        self._dispatch([(e, REASON_IDLE_TTL) for e in victims], own=False)
         return len(victims)
+
+    def expired_count(self, now: float | None = None) -> int:
+        """Entries `expire_idle` would evict now (read-only)."""
+        if not self.idle_ttl_s or self.idle_ttl_s <= 0:
+            return 0
+        with self._lock:
+            now = max(self._clock(), self._last_now) if now is None else now
+            active = self._active()
+            count = 0
+            for e in self._entries.values():
+                if now - e.last_access < self.idle_ttl_s:
+                    break
+                if not (e.session_id is not None and e.session_id in active):
+                    count += 1
+            return count
+
+    # -- dry runs for admission -------------------------------------------------
+
+    def figures(self, model: str, prompt_tokens: Sequence[int],
+                protect_session_ids: Sequence[str] = ()) -> BankFigures:
+        """What admission's bank steps could free at most for this prompt, without freeing."""
+        sids = tuple(protect_session_ids)
+        src = self.restore_source(model, prompt_tokens)
+        keys = (src.key,) if src is not None else ()
+        lru = self.plan_shrink_to_bytes(0, protect_active=True, protect_keys=keys,
+                                        protect_session_ids=sids)
+        chain = self.plan_shrink_for_admission(0, protect_tokens=prompt_tokens, model=model,
+                                               protect_session_ids=sids,
+                                               assume_evicted=lru.victims)
+        return BankFigures(
+            total_bytes=lru.bytes_before, max_bytes=self.max_bytes,
+            lru_freeable_bytes=lru.freed_bytes, lru_freeable_entries=lru.entries,
+            chain_freeable_bytes=chain.freed_bytes, chain_freeable_entries=chain.entries,
+            restore_prefix_tokens=src.prefix_len if src is not None else 0,
+        )
+
+    def preview_freed(
+        self, target_bytes: int, *, mode: str, protect_active: bool,
+        protect_tokens: Sequence[int] | None, model: str | None,
+        protect_session_ids: Sequence[str], assume_evicted: Sequence[object],
+    ) -> tuple[int, int, tuple[EntryKey, ...]]:
+        """A shrink's dry run on top of `assume_evicted` -> (entries, bytes, keys)."""
+        gone = [k for k in assume_evicted if isinstance(k, EntryKey)]
+        sids = list(protect_session_ids)
+        if ShrinkMode(mode) is ShrinkMode.TO_BYTES:
+            plan = self.plan_shrink_to_bytes(target_bytes, protect_active=protect_active,
+                                             protect_session_ids=sids, assume_evicted=gone)
+        else:
+            if protect_active:
+                sids += list(self._active())
+            plan = self.plan_shrink_for_admission(
+                target_bytes, protect_tokens=protect_tokens, model=model,
+                protect_session_ids=sids, assume_evicted=gone)
+        return plan.entries, plan.freed_bytes, plan.victims
 
     # -- shrink policies ---------------------------------------------------------
 
@@ -618,13 +626,10 @@ class SessionBank:
         this is the take-anything pass, it drops the bank's references.
         """
         keys, sids = _keyset(protect_keys), set(protect_session_ids)
-        with self._span(names.SPAN_BANK_SHRINK) as span:
-            with self._lock:
-                plan = self._plan_to_bytes(target_bytes, protect_active, keys, sids, set())
-                victims = self._evict_all([self._entries[k] for k in plan.victims])
-            self._dispatch([(e, reason) for e in victims])
-            span.set_attributes(self._plan_attrs(plan, reason))
-            span.set_attribute("plimsoll.protect_active", protect_active)
+        with self._lock:
+            plan = self._plan_to_bytes(target_bytes, protect_active, keys, sids, set())
+            victims = self._evict_all([self._entries[k] for k in plan.victims])
+        self._dispatch([(e, reason) for e in victims], own=False)
         return len(victims)
 
     def plan_shrink_for_admission(
@@ -653,6 +658,7 @@ class SessionBank:
         reason: str = REASON_ADMISSION_CHAIN,
         protect_keys: Iterable[EntryKey] = (),
         protect_session_ids: Iterable[str] = (),
+        protect_active: bool = False,
     ) -> tuple[int, int]:
         """Two-phase shed before a prefill -> (non_terminal_evicted, terminal_evicted).
 
@@ -663,19 +669,16 @@ class SessionBank:
         phase 2, only if a deficit remains, any unprotected entry with active
         sessions last. An entry holding a live reference of an active session is
         skipped: dropping it would free nothing (the running request still holds
-        the cache) while costing that session its restore point.
+        the cache) while costing that session its restore point. With
+        `protect_active`, active sessions' entries are never taken.
         """
         keys, sids = _keyset(protect_keys), set(protect_session_ids)
-        with self._span(names.SPAN_BANK_SHRINK_FOR_ADMISSION) as span:
-            with self._lock:
-                plan = self._plan_for_admission(target_bytes, protect_tokens, model, keys, sids, set())
-                victims = self._evict_all([self._entries[k] for k in plan.victims])
-            self._dispatch([(e, reason) for e in victims])
-            span.set_attributes(self._plan_attrs(plan, reason))
-            span.set_attribute(names.ATTR_NON_TERMINAL_EVICTED, plan.non_terminal)
-            span.set_attribute(names.ATTR_TERMINAL_EVICTED, plan.terminal)
-            if model is not None:
-                span.set_attribute(names.ATTR_MODEL, model)
+        with self._lock:
+            if protect_active:
+                sids |= self._active()
+            plan = self._plan_for_admission(target_bytes, protect_tokens, model, keys, sids, set())
+            victims = self._evict_all([self._entries[k] for k in plan.victims])
+        self._dispatch([(e, reason) for e in victims], own=False)
         return plan.non_terminal, plan.terminal
 
     def _plan_to_bytes(
@@ -828,37 +831,41 @@ class SessionBank:
     def _evict_all(self, victims: Iterable[SessionEntry]) -> list[SessionEntry]:
         return [e for e in victims if self._remove(e.key) is not None]
 
-    def _dispatch(self, evicted: Sequence[tuple[SessionEntry, str]]) -> None:
-        """Count evictions and hand them to `on_evict`, grouped by reason, outside the lock."""
+    def _dispatch(self, evicted: Sequence[tuple[SessionEntry, str]], own: bool = True) -> None:
+        """Hand evictions to `on_evict`, grouped by reason, outside the lock.
+
+        `own`: evictions the bank made by itself (caps, retention, drops) get their
+        span and count here; shrinks and expiry the governor asked for are recorded
+        by the governor, once.
+        """
         if not evicted:
             return
         by_reason: dict[str, list[SessionEntry]] = {}
         for e, reason in evicted:
             by_reason.setdefault(reason, []).append(e)
-        counter = self._metrics.evictions
         with self._lock:
             for reason, group in by_reason.items():
                 self._evictions[reason] += len(group)
         for reason, group in by_reason.items():
-            counter.add(len(group), {names.ATTR_REASON: reason})
+            if own:
+                self._record_own(reason, group)
             if self._on_evict is not None:
                 try:
                     self._on_evict(group, reason)
                 except Exception:  # a faulty hook must not undo or block the policy
                     _log.exception("session bank on_evict hook failed (reason=%s)", reason)
 
-    def _span(self, name: str) -> AbstractContextManager[trace.Span]:
+    def _record_own(self, reason: str, group: Sequence[SessionEntry]) -> None:
         tracer = self._tracer or telemetry.tracer()
-        return tracer.start_as_current_span(name)
-
-    @staticmethod
-    def _plan_attrs(plan: ShrinkPlan, reason: str) -> dict[str, Any]:
-        return {
-            names.ATTR_TARGET: plan.target_bytes,
-            names.ATTR_BYTES_BEFORE: plan.bytes_before,
-            names.ATTR_BYTES_AFTER: plan.bytes_after,
-            names.ATTR_BYTES_FREED: plan.freed_bytes,
-            names.ATTR_ENTRIES_EVICTED: plan.entries,
+        attrs: dict[str, Any] = {
             names.ATTR_REASON: reason,
-            names.ATTR_PROTECTED_KEYS: plan.protected_keys,
+            names.ATTR_ENTRIES_EVICTED: len(group),
+            names.ATTR_BYTES_FREED: sum(e.nbytes for e in group),
         }
+        models = {e.model for e in group}
+        if len(models) == 1:
+            attrs[names.ATTR_MODEL] = next(iter(models))
+        with tracer.start_as_current_span(names.SPAN_BANK_EVICT, attributes=attrs):
+            pass
+        self._metrics.evictions.add(len(group), {
+            names.ATTR_REASON: reason, names.ATTR_EVICTION_KIND: "session_entry"})

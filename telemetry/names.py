@@ -14,11 +14,14 @@ SPAN_RECLAIM = "plimsoll.memory.reclaim"
 SPAN_EVICT = "plimsoll.memory.evict"
 SPAN_ABORT = "plimsoll.memory.abort"
 SPAN_LOAD_ABORT = "plimsoll.memory.load_abort"
-SPAN_BANK_SHRINK = "plimsoll.sessions.shrink_to_bytes"
-SPAN_BANK_SHRINK_FOR_ADMISSION = "plimsoll.sessions.shrink_for_admission"
+SPAN_BANK_SHRINK = "plimsoll.sessions.shrink"  # either policy: see ATTR_SHRINK_MODE
 SPAN_ADMISSION = "plimsoll.admission"
 SPAN_ADMISSION_SHED = "plimsoll.admission.shed"
 SPAN_ADMISSION_REFUSAL = "plimsoll.admission.refusal"
+SPAN_LOAD_REFUSAL = "plimsoll.model.load_refusal"
+SPAN_BANK_EXPIRE = "plimsoll.sessions.expire_idle"
+SPAN_BANK_EVICT = "plimsoll.sessions.evict"  # evictions the bank makes on its own (caps, drops)
+SPAN_PREFILL_ABORT = "plimsoll.memory.prefill_abort"
 
 # -- span attributes -------------------------------------------------------
 ATTR_LEVEL = "plimsoll.level"
@@ -44,6 +47,23 @@ ATTR_VERDICT = "plimsoll.verdict"
 ATTR_PROJECTED = "plimsoll.projected_bytes"
 ATTR_PROTECTED_KEYS = "plimsoll.protected_keys"
 ATTR_SESSION_ID = "plimsoll.session_id"
+ATTR_RECLAIM_KIND = "plimsoll.reclaim_kind"  # pressure | idle | aux_caches
+ATTR_ACCEPTED = "plimsoll.accepted"  # an engine accepted a pressure reclaim
+ATTR_PENDING_UNLOAD = "plimsoll.pending_unload"
+ATTR_KEEP_LOADED = "plimsoll.keep_loaded"
+ATTR_ABORT_KIND = "plimsoll.abort_kind"  # request | load | prefill
+ATTR_EVICTION_KIND = "plimsoll.eviction_kind"  # model | session_entry
+ATTR_ERROR = "plimsoll.error"
+ATTR_SKIPPED = "plimsoll.skipped"  # why a decided action was not carried out
+ATTR_PROTECT_ACTIVE = "plimsoll.protect_active"
+ATTR_SHRINK_MODE = "plimsoll.shrink_mode"
+ATTR_THRESHOLD = "plimsoll.threshold_bytes"
+ATTR_BINDING = "plimsoll.binding_constraint"
+ATTR_TRIED = "plimsoll.tried"
+ATTR_CAP = "plimsoll.cap"
+ATTR_CACHE = "plimsoll.cache"  # an auxiliary cache's name
+ATTR_REMAINING_TOKENS = "plimsoll.remaining_tokens"
+ATTR_CHUNK_TOKENS = "plimsoll.chunk_tokens"
 
 # -- metrics (prefix plimsoll_) ---------------------------------------------
 METRIC_MEMORY_USAGE = "plimsoll_memory_usage_bytes"
@@ -62,3 +82,6 @@ METRIC_REQUESTS_WAITING = "plimsoll_requests_waiting"
 METRIC_TTFT = "plimsoll_time_to_first_token_seconds"
 METRIC_TOKENS_GENERATED = "plimsoll_tokens_generated_total"
 METRIC_TRANSITIONS = "plimsoll_pressure_transitions_total"
+METRIC_SHRINKS = "plimsoll_session_shrinks_total"
+METRIC_RECLAIMS = "plimsoll_reclaims_total"
+METRIC_REFUSALS = "plimsoll_refusals_total"

@@ -1,114 +1,46 @@
-"""Shared fixtures: a real Plimsoll server over loopback, on the real demo model."""
+"""Shared fixtures: a real Plimsoll server over loopback, on the real demo model.
+
+The server subprocess itself is `tools.harness.server`, shared with the benchmarks.
+"""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from engine.demo_models import ensure_demo_model
 from plimsoll.v1 import control_pb2_grpc, inference_pb2_grpc
+from telemetry.setup import setup
+from tools.harness.server import ROOT, ServerProcess, serving, start_server
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Tests written before the harness moved import these from here; new ones import them
+# from tools.harness.server.
+__all__ = ["ROOT", "ServerProcess", "serving", "start_server"]
 
 
-@dataclass
-class ServerProcess:
-    proc: subprocess.Popen
-    port: int
-    log_path: Path
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(self.address)
-
-    @contextmanager
-    def stubs(self) -> Iterator[tuple[control_pb2_grpc.ControlServiceStub,
-                                      inference_pb2_grpc.InferenceServiceStub]]:
-        """(control, inference) stubs on one channel, closed afterwards."""
-        with self.channel() as ch:
-            yield (control_pb2_grpc.ControlServiceStub(ch),
-                   inference_pb2_grpc.InferenceServiceStub(ch))
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, sig: int = 15, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+@dataclass(frozen=True)
+class Captured:
+    spans: InMemorySpanExporter
+    metrics: InMemoryMetricReader
 
 
-def wait_serving(port: int, proc: subprocess.Popen, log_path: Path,
-                 timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{log_path.read_text()[-3000:]}")
-            try:
-                r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise TimeoutError(f"server not SERVING after {timeout}s:\n{log_path.read_text()[-3000:]}")
+_CAPTURED = Captured(InMemorySpanExporter(), InMemoryMetricReader())
 
 
-def start_server(tmp: Path, *args: str, env: dict | None = None,
-                 wait: bool = True, prefix: list[str] | None = None) -> ServerProcess:
-    port = free_port()
-    log_path = tmp / f"server-{port}.log"
-    cmd = [*(prefix or []), sys.executable, "-m", "service.cli", "serve",
-           "--port", str(port), *args]
-    full_env = {**os.environ, **(env or {})}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env=full_env)
-    server = ServerProcess(proc, port, log_path)
-    if wait:
-        try:
-            wait_serving(port, proc, log_path)
-        except BaseException:
-            server.stop(9)
-            raise
-    return server
-
-
-@contextmanager
-def serving(tmp: Path, *args: str) -> Iterator[ServerProcess]:
-    """A server for the duration of the block (module fixtures use this)."""
-    srv = start_server(tmp, *args)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+@pytest.fixture(scope="session", autouse=True)
+def captured() -> Captured:
+    """The process's OpenTelemetry providers, installed once before any in-process
+    server does (OTel allows one set), with in-memory span and metric capture."""
+    setup(extra_span_processors=[SimpleSpanProcessor(_CAPTURED.spans)],
+          extra_metric_readers=[_CAPTURED.metrics])
+    return _CAPTURED
 
 
 @pytest.fixture(scope="session")

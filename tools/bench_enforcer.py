@@ -1,19 +1,23 @@
-"""Enforcer benchmarks: the cost of one tick, and how fast a real server reacts to hard pressure.
+"""Governor benchmarks: the cost of one tick, and how fast a real server reacts to hard pressure.
 
     python -m tools.bench_enforcer                      # both parts
     python -m tools.bench_enforcer --skip-reaction      # (a) only: no server, no root
     python -m tools.bench_enforcer --skip-tick --rounds 20
 
-(a) Tick cost, in this process: a real `MemoryEnforcer` over 8 fake engines
-(`memory.fakes.FakeEngine` in a `FakeEnginePool`) and a real `sessions.bank.SessionBank`
-holding 1,000 entries (500 sessions x 2 forks, small dummy payloads with `nbytes` set,
-10 % of the sessions active), with the server's telemetry providers installed (an SDK
-tracer and meter, nothing exported: the same as `plimsoll serve` by default).
+(a) Tick cost, in this process: a real `memory.governor.Governor` driving the real
+`memory.executor.Executor` over 8 fake engines (`tests.support.memory_fakes.FakeEngine`
+in a `FakeEnginePool`) and a real `sessions.bank.SessionBank` holding 1,000 entries
+(500 sessions x 2 forks, small dummy payloads with `nbytes` set, 10 % of the sessions
+active), with the server's telemetry providers installed (an SDK tracer and meter,
+nothing exported: the same as `plimsoll serve` by default). Every tick walks the
+store-cache and batch caps of each ready engine, hands the limits to every engine and
+runs the bank's upkeep (idle TTL, OS pressure guard, dynamic ceiling).
 
-* ok: the real `MemoryReader` (real /proc, cgroup and PSI reads), usage far below the
-  ceiling. Once with every engine idle (the reader asks MLX directly), once with four
-  engines busy (the reader takes the engines' own MLX samples).
-* soft and hard: `memory.fakes.ScriptedReader` forces the pressure paths. soft: usage
+* ok: the real `MemoryReader` (real /proc, cgroup and PSI reads; it never calls MLX),
+  usage far below the ceiling. Once with every engine idle and no recent MLX sample
+  (the executor asks each engine for a fresh one), once with four engines busy and
+  every engine holding a recent sample.
+* soft and hard: `tests.support.memory_fakes.ScriptedReader` forces the pressure paths. soft: usage
   between the marks, every engine busy, so the tick clears the aux caches, re-measures,
   pauses admission and walks the caps (a steady state). hard, the whole ladder in one
   tick: clear aux caches, re-measure, shrink the bank toward soft (idle sessions first),
@@ -23,23 +27,23 @@ tracer and meter, nothing exported: the same as `plimsoll serve` by default).
   with 10 % active (the shrink takes ~785 of the 1,000 entries). The evicted engines and
   entries are put back between ticks, untimed.
 
-Each row is `await enforcer.tick()` timed with perf_counter_ns, median and p99 over N
+Each row is `await governor.tick()` timed with perf_counter_ns, median and p99 over N
 ticks. Breakdown rows time `MemoryReader.read()` alone and `compute_limits` + the pure
-policy (`tick_plan` driven by `memory.fakes.drive`, no loop, no telemetry) alone.
-Target: median <= 1 ms per tick.
+plan (`tick_plan` driven by `tests.support.memory_fakes.drive`, no loop, no executor, no
+telemetry) alone. Target: median <= 1 ms per tick.
 
 (b) Reaction, against a real server (`python -m service.cli serve` as a subprocess):
 from a step across the hard mark to the eviction done (the `evict_model` action on a
-`WatchPressure(include_actions)` stream, which the enforcer publishes after the unload
+`WatchPressure(include_actions)` stream, which the governor publishes after the unload
 returned). What the step must be, and why it is not a LoadModel:
 
 * a LoadModel cannot cross hard on its own: the pre-load guard
-  (`Runtime._make_room_for_load`) evicts idle LRU models down to the soft mark before
-  the load starts, so usage never reaches hard (that is the guard's reaction, not the
-  enforcer's); and a finished load wakes the enforcer (`pool.listeners`), so even a load
-  that did cross would not exercise the poll cadence;
+  (`Governor.make_room_for_load`, the load plan) evicts idle LRU models down to the soft
+  mark before the load starts, so usage never reaches hard (that is the load plan's
+  reaction, not the tick's); and a finished load wakes the governor (`pool.listeners`),
+  so even a load that did cross would not exercise the poll cadence;
 * the step must come unannounced, the way a neighbour's allocation or a shrinking
-  container does: nothing may call `enforcer.wake()`. The server runs in a child memory
+  container does: nothing may call `governor.wake()`. The server runs in a child memory
   cgroup of this process's own (root; cgroup v1 or v2) with no limit, under a custom
   ceiling of `--ceiling-gb` (4 GiB: far above usage; custom also removes the dynamic
   term, which jitters with the page cache). Each round lowers the child's limit in one
@@ -52,7 +56,7 @@ returned). What the step must be, and why it is not a LoadModel:
   `Generate` stream runs on the tiny demo model throughout, so an engine is busy, as on
   a server serving traffic (the tiny model is pinned, so that the rounds keep it); a
   `small` demo model sits loaded and idle, least recently used: the victim. At hard the
-  enforcer evicts it (idle LRU first). Reloading the victim also opens a 2 s activity
+  governor's tick evicts it (idle LRU first). Reloading the victim also opens a 2 s activity
   hint, so the cadence is 1 s either way.
 * then the limit is lifted, the victim reloaded, and after a random 0.5-1.5 s (so the
   steps land at every phase of the 1 s tick) the next round steps again.
@@ -75,11 +79,9 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,17 +95,13 @@ import psutil  # noqa: E402
 from engine.demo_models import ensure_demo_model  # noqa: E402
 from memory.ceiling import compute_limits  # noqa: E402
 from memory.config import MemoryConfig  # noqa: E402
-from memory.enforcer import MemoryEnforcer  # noqa: E402
-from memory.fakes import (  # noqa: E402
-    FakeEngine,
-    FakeEnginePool,
-    ScriptedReader,
-    drive,
-    readings,
-)
+from memory.executor import Executor  # noqa: E402
+from memory.governor import Governor  # noqa: E402
 from memory.levels import GIB, MIB, Tier, container_reserve_bytes  # noqa: E402
-from memory.policy import PolicyState, Snapshot, tick_plan  # noqa: E402
-from memory.readings import MemoryReader, discover_cgroup  # noqa: E402
+from memory.plans.steps import Snapshot  # noqa: E402
+from memory.plans.tick import PolicyState, tick_plan  # noqa: E402
+from memory.protocols import ReadingsSource  # noqa: E402
+from memory.readings import MemoryReader, MlxFigures  # noqa: E402
 from memory.views import RequestView  # noqa: E402
 from plimsoll.v1 import (  # noqa: E402
     control_pb2,
@@ -113,7 +111,18 @@ from plimsoll.v1 import (  # noqa: E402
     types_pb2,
 )
 from sessions.bank import SessionBank, SessionEntry  # noqa: E402
-from tools.bench_generate import Server, free_port, log, percentile  # noqa: E402
+
+# The benchmark runs from a checkout, so it takes the test doubles from tests/.
+from tests.support.memory_fakes import (  # noqa: E402
+    FakeEngine,
+    FakeEnginePool,
+    ScriptedReader,
+    drive,
+    readings,
+)
+from tools.harness.cgroup import CgroupUnavailable, ChildCgroup, limit_for_ceiling  # noqa: E402
+from tools.harness.report import log, percentile, ts  # noqa: E402
+from tools.harness.server import ServerProcess, serving  # noqa: E402
 
 TICK_TARGET_MS = 1.0
 REACTION_TARGET_S = 1.5
@@ -179,13 +188,22 @@ def make_engines(busy: int, *, sample: tuple[int, int] | None = None,
     return engines
 
 
-async def time_ticks(enforcer: MemoryEnforcer, n: int, reset=None) -> list[int]:
+SAMPLE = (300 * MIB, 20 * MIB)  # an engine thread's recent MLX sample (active, pool)
+
+
+def make_governor(config: MemoryConfig, reader: ReadingsSource, pool: FakeEnginePool,
+                  bank: SessionBank | None) -> Governor:
+    """The server's wiring: one executor over the pool and the bank, one governor."""
+    return Governor(config, Executor(reader, pool, bank=bank))
+
+
+async def time_ticks(governor: Governor, n: int, reset=None) -> list[int]:
     out = []
     for _ in range(n):
         if reset is not None:
             reset()
         t0 = time.perf_counter_ns()
-        await enforcer.tick()
+        await governor.tick()
         out.append(time.perf_counter_ns() - t0)
     return out
 
@@ -206,7 +224,7 @@ class CostRow:
         return stats_ms(self.samples_ns)[1]
 
 
-HARD_GIB = 61.0  # custom 64 GiB: soft 54.4, hard 60.8; ok again below 53.12 (2 % band)
+HARD_GIB = 61.0  # custom 64 GiB: soft 54.4, hard 60.8; ok again below soft
 
 
 async def hard_ladder(config: MemoryConfig, active_share: float, n: int, seed: int) -> CostRow:
@@ -221,7 +239,7 @@ async def hard_ladder(config: MemoryConfig, active_share: float, n: int, seed: i
     evicted: list[SessionEntry] = []
     bank, _ = make_bank(N_ENTRIES, active_share, random.Random(seed + 1),
                         on_evict=lambda es, _reason: evicted.extend(es))
-    engines = make_engines(4, accept_reclaim=False)
+    engines = make_engines(4, sample=SAMPLE, accept_reclaim=False)
     pool = FakeEnginePool(*engines)
     script = ScriptedReader(readings(HARD_GIB, total_gib=128))
 
@@ -230,7 +248,7 @@ async def hard_ladder(config: MemoryConfig, active_share: float, n: int, seed: i
         script.current = cur.with_process_bytes(cur.process_bytes - 4 * GIB)
 
     pool.on_unload = on_unload
-    enf = MemoryEnforcer(config, script, pool, session_tier=bank)
+    enf = make_governor(config, script, pool, bank)
     counts: list[int] = []
 
     async def ticks(k: int) -> list[int]:
@@ -282,10 +300,11 @@ async def tick_cost(n: int, seed: int) -> list[CostRow]:
     warm = max(20, n // 20)
 
     # -- ok, real reader ----------------------------------------------------------------
-    for busy, label in ((0, "ok, 8 idle engines (reader asks MLX)"),
-                        (4, "ok, 4 of 8 busy (engine MLX samples)")):
-        pool = FakeEnginePool(*make_engines(busy, sample=(300 * MIB, 20 * MIB)))
-        enf = MemoryEnforcer(config, reader, pool, session_tier=bank)
+    for busy, sample, label in (
+            (0, None, "ok, 8 idle engines (no recent sample: each asked for one)"),
+            (4, SAMPLE, "ok, 4 of 8 busy (recent engine MLX samples)")):
+        pool = FakeEnginePool(*make_engines(busy, sample=sample))
+        enf = make_governor(config, reader, pool, bank)
         await time_ticks(enf, warm)
         res = enf.last_result
         assert res is not None and res.level.label == "ok", res
@@ -294,8 +313,8 @@ async def tick_cost(n: int, seed: int) -> list[CostRow]:
 
     # -- soft, scripted ---------------------------------------------------------------------
     soft = readings(57.0, total_gib=128)  # custom 64 GiB: soft 54.4, hard 60.8
-    pool = FakeEnginePool(*make_engines(N_MODELS, sample=(300 * MIB, 20 * MIB)))
-    enf = MemoryEnforcer(config, ScriptedReader(soft), pool, session_tier=bank)
+    pool = FakeEnginePool(*make_engines(N_MODELS, sample=SAMPLE))
+    enf = make_governor(config, ScriptedReader(soft), pool, bank)
     await time_ticks(enf, warm)
     res = enf.last_result
     assert res is not None and res.level.label == "soft", res
@@ -312,20 +331,18 @@ async def tick_cost(n: int, seed: int) -> list[CostRow]:
         t0 = time.perf_counter_ns()
         r = reader.read()
         rd.append(time.perf_counter_ns() - t0)
-    rows.append(CostRow("  MemoryReader.read() alone (MLX asked)", rd, target=False))
+    rows.append(CostRow("  MemoryReader.read() alone (no engine sample)", rd, target=False))
 
-    def sampler() -> tuple[int, int]:
-        return (300 * MIB, 20 * MIB)
-
+    figures = MlxFigures(*SAMPLE, at=time.monotonic())
     rd = []
     for _ in range(n):
         t0 = time.perf_counter_ns()
-        reader.read(sampler)
+        reader.read(figures)
         rd.append(time.perf_counter_ns() - t0)
-    rows.append(CostRow("  MemoryReader.read() alone (engine samples)", rd, target=False))
+    rows.append(CostRow("  MemoryReader.read() alone (an engine sample)", rd, target=False))
 
     views = tuple(e.view() for e in make_engines(4))
-    snap = Snapshot(r, views, bank.total_bytes())
+    snap = Snapshot(r, views, bank.total_bytes(), bank_max_bytes=bank.max_bytes)
     lim: list[int] = []
     pol: list[int] = []
     for _ in range(n):
@@ -337,18 +354,20 @@ async def tick_cost(n: int, seed: int) -> list[CostRow]:
         lim.append(t1 - t0)
         pol.append(t2 - t1)
     rows.append(CostRow("  compute_limits() alone", lim, target=False))
-    rows.append(CostRow("  policy alone at ok (tick_plan + compute_limits, 8 views)", pol,
+    rows.append(CostRow("  plan alone at ok (tick_plan + compute_limits, 8 views)", pol,
                         target=False))
     # And the hard ladder's pure policy, with the bank shrink and evictions answered
-    # by memory.fakes.default_outcome (no bank, no telemetry).
-    hard_snaps = [Snapshot(readings(HARD_GIB, total_gib=128), views, 8 * GIB)] * 3 + [
-        Snapshot(readings(HARD_GIB - 8, total_gib=128), views, 8 * GIB)]
+    # by tests.support.memory_fakes.default_outcome (no bank, no telemetry).
+    hard_snaps = [Snapshot(readings(HARD_GIB, total_gib=128), views, 8 * GIB,
+                           bank_max_bytes=bank.max_bytes)] * 3 + [
+        Snapshot(readings(HARD_GIB - 8, total_gib=128), views, 8 * GIB,
+                 bank_max_bytes=bank.max_bytes)]
     pol = []
     for _ in range(n):
         t0 = time.perf_counter_ns()
         drive(tick_plan(PolicyState(), config, 1000.0), hard_snaps)
         pol.append(time.perf_counter_ns() - t0)
-    rows.append(CostRow("  policy alone at hard (fake outcomes)", pol, target=False))
+    rows.append(CostRow("  plan alone at hard (fake outcomes)", pol, target=False))
     sh: list[int] = []
     for _ in range(max(20, n // 10)):
         b2, _ = make_bank(N_ENTRIES, 0.10, random.Random(seed + 2))
@@ -379,105 +398,6 @@ def fmt_cost(rows: list[CostRow]) -> str:
 # =====================================================================================
 # (b) reaction against a real server
 # =====================================================================================
-class CgroupUnavailable(Exception):
-    pass
-
-
-class ChildCgroup:
-    """A child of this process's own memory cgroup, with no limit until `set_limit`."""
-
-    def __init__(self, version: int, path: Path) -> None:
-        self.version = version
-        self.path = path
-
-    @classmethod
-    def create(cls) -> ChildCgroup:
-        if os.geteuid() != 0:
-            raise CgroupUnavailable(f"needs root to make a memory cgroup (euid {os.geteuid()})")
-        info = discover_cgroup(Path("/proc/self/cgroup").read_text(),
-                               Path("/proc/self/mountinfo").read_text())
-        if info is None:
-            raise CgroupUnavailable("this process is in no memory cgroup")
-        own = Path(info.own_directory)
-        if info.version == 2:
-            ctl = own / "cgroup.subtree_control"
-            try:
-                if "memory" not in ctl.read_text().split():
-                    ctl.write_text("+memory")
-            except OSError as exc:
-                raise CgroupUnavailable(f"cannot delegate the memory controller under "
-                                        f"{own}: {exc}") from None
-        path = own / f"plimsoll-bench-{uuid.uuid4().hex[:10]}"
-        try:
-            path.mkdir()
-        except OSError as exc:
-            raise CgroupUnavailable(f"cannot create {path}: {exc}") from None
-        cg = cls(info.version, path)
-        try:
-            cg.set_limit(None)
-        except OSError as exc:
-            cg.destroy()
-            raise CgroupUnavailable(f"cannot set a limit on {path}: {exc}") from None
-        return cg
-
-    @property
-    def limit_file(self) -> Path:
-        return self.path / ("memory.max" if self.version == 2 else "memory.limit_in_bytes")
-
-    def set_limit(self, limit: int | None) -> None:
-        value = str(limit) if limit is not None else ("max" if self.version == 2 else "-1")
-        fd = os.open(self.limit_file, os.O_WRONLY)
-        try:
-            os.write(fd, value.encode())
-        finally:
-            os.close(fd)
-
-    def usage(self) -> int:
-        name = "memory.current" if self.version == 2 else "memory.usage_in_bytes"
-        return int((self.path / name).read_text().split()[0])
-
-    def enter(self) -> None:
-        """preexec_fn: move the child process in before it execs the server."""
-        (self.path / "cgroup.procs").write_text(str(os.getpid()))
-
-    def destroy(self) -> None:
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.1)  # the server's tasks are still leaving
-
-
-class CgroupServer(Server):
-    """`tools.bench_generate.Server`, started inside a child cgroup."""
-
-    def __init__(self, args: list[str], log_dir: Path, cgroup: ChildCgroup,
-                 env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.log_path = log_dir / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), *args]
-        with open(self.log_path, "wb") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                         preexec_fn=cgroup.enter,
-                                         env={**os.environ, **(env or {})})
-        self.frozen = False
-
-
-def limit_for_ceiling(ceiling: int, total: int) -> int:
-    """The cgroup limit whose container term (limit - reserve) is `ceiling`."""
-    lo, hi = ceiling, 2 * ceiling + 4 * GIB
-    while hi - lo > 4096:
-        mid = (lo + hi) // 2
-        if mid - container_reserve_bytes(Tier.CUSTOM, total, mid) < ceiling:
-            lo = mid
-        else:
-            hi = mid
-    return hi
-
-
 @dataclass
 class Round:
     usage: int
@@ -541,14 +461,11 @@ def level_name(level: int) -> str:
     return types_pb2.PressureLevel.Name(level).removeprefix("PRESSURE_LEVEL_").lower()
 
 
-def ts(t) -> float:
-    return t.seconds + t.nanos / 1e9
-
-
 async def busy_loop(stub: inference_pb2_grpc.InferenceServiceStub, model: str,
                     stop: asyncio.Event, errors: list[str]) -> None:
-    """Keep one Generate stream running on `model`, so the enforcer polls at 1 s."""
-    # Long requests: each new Generate wakes the enforcer, which would tick out of cadence.
+    """Keep one Generate stream running on `model`, so the governor polls at 1 s."""
+    # Long requests: each new Generate notes activity (and wakes a governor asleep for its
+    # long idle interval), which would tick out of cadence.
     req = inference_pb2.GenerateRequest(model=model, text="busy " * 16, max_tokens=3500,
                                         ignore_eos=True)
     while not stop.is_set():
@@ -561,7 +478,8 @@ async def busy_loop(stub: inference_pb2_grpc.InferenceServiceStub, model: str,
             await asyncio.sleep(0.2)
 
 
-async def reaction(args, cgroup: ChildCgroup, server: Server, victim_path: Path) -> list[Round]:
+async def reaction(args, cgroup: ChildCgroup, server: ServerProcess,
+                   victim_path: Path) -> list[Round]:
     total = psutil.virtual_memory().total
     pid = server.proc.pid
     proc = psutil.Process(pid)
@@ -761,16 +679,9 @@ def run_reaction(args) -> tuple[list[Round], str] | str:
                            "--poll-active", str(args.poll_active), "--no-session-bank"]
             log(f"starting the server in {cgroup.path} (cgroup v{cgroup.version})")
             env = dict(kv.split("=", 1) for kv in args.server_env)
-            server = CgroupServer(server_args, Path(tmp), cgroup, env)
-            try:
-                server.wait_serving()
+            with serving(Path(tmp), *server_args, env=env, prefix=cgroup.prefix(),
+                         timeout=300) as server:
                 rounds = asyncio.run(reaction(args, cgroup, server, victim))
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    log(f"server log tail:\n{server.log()[-3000:]}")
-                raise
-            finally:
-                server.stop()
             if args.server_log:
                 print(server.log()[-4000:])
     finally:
@@ -815,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_tick:
         log("(a) tick cost")
         rows = asyncio.run(tick_cost(args.ticks, args.seed))
-        print(f"\n(a) Enforcer tick cost — {N_MODELS} engines (fakes), SessionBank with "
+        print(f"\n(a) Governor tick cost — {N_MODELS} engines (fakes), SessionBank with "
               f"{N_ENTRIES:,} entries, real MemoryReader for ok rows\n")
         print(fmt_cost(rows))
         misses = [r.name.strip() for r in rows if r.target and r.median_ms > TICK_TARGET_MS]

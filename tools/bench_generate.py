@@ -48,21 +48,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
-import random
-import re
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -70,12 +64,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a file, not with -m
     sys.path.insert(0, str(ROOT))
 
-import grpc  # noqa: E402
-import psutil  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
-
 from engine.demo_models import ensure_demo_model  # noqa: E402
-from plimsoll.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
+from tools.harness.generate import GrpcSide, Prompt, Run, make_prompts  # noqa: E402
+from tools.harness.profile import analyze_collapsed, find_py_spy, print_profile  # noqa: E402
+from tools.harness.report import Machine, log, percentile  # noqa: E402
+from tools.harness.server import ServerProcess, serving  # noqa: E402
 
 RATIO_TARGET_SINGLE = 0.95
 RATIO_TARGET_BATCH = 0.90
@@ -86,135 +79,8 @@ COMPLETION_BATCH_SIZE = 32
 PREFILL_BATCH_SIZE = 8
 PREFILL_STEP_SIZE = 512
 
-WORDS = [
-    "river",
-    "stone",
-    "market",
-    "lantern",
-    "harbor",
-    "meadow",
-    "copper",
-    "violet",
-    "engine",
-    "garden",
-    "winter",
-    "signal",
-    "orchard",
-    "canyon",
-    "ribbon",
-    "falcon",
-    "tunnel",
-    "marble",
-    "thunder",
-    "velvet",
-    "pepper",
-    "glacier",
-    "compass",
-    "saddle",
-    "island",
-    "mirror",
-    "candle",
-    "forest",
-    "rocket",
-    "silver",
-    "basket",
-    "needle",
-    "harvest",
-    "bridge",
-    "shadow",
-    "feather",
-    "anchor",
-    "desert",
-    "kettle",
-    "planet",
-    "spiral",
-    "timber",
-    "oyster",
-    "quartz",
-    "pillow",
-    "cactus",
-    "ladder",
-    "meadowlark",
-    "sandal",
-    "beacon",
-    "walnut",
-    "trumpet",
-]
-
-
-# -- prompts ------------------------------------------------------------------------
-@dataclass
-class Prompt:
-    text: str
-    ids: list[int]
-
-
-def make_prompts(tokenizer, n: int, lo: int = 32, hi: int = 64, seed: int = 0) -> list[Prompt]:
-    """n distinct prompts of lo..hi tokens each (deterministic for a seed)."""
-    rng = random.Random(seed)
-    out: list[Prompt] = []
-    seen: set[tuple[int, ...]] = set()
-    while len(out) < n:
-        target = rng.randint(lo, hi)
-        words = [f"Request {len(out)}:"]
-        ids = list(tokenizer.encode(" ".join(words)))
-        while len(ids) < target:
-            words.append(rng.choice(WORDS))
-            ids = list(tokenizer.encode(" ".join(words)))
-        while len(ids) > hi and len(words) > 1:
-            words.pop()
-            ids = list(tokenizer.encode(" ".join(words)))
-        if len(ids) < lo or tuple(ids) in seen:
-            continue
-        seen.add(tuple(ids))
-        out.append(Prompt(" ".join(words), ids))
-    return out
-
 
 # -- statistics -----------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-@dataclass
-class Run:
-    side: str  # "baseline" or "grpc"
-    streams: int
-    tokens: int
-    wall_s: float
-    ttft_s: list[float]
-    # CPU seconds over the run: this process (the baseline, or the gRPC client)
-    # and the server process (gRPC side only).
-    bench_cpu_s: float = 0.0
-    server_cpu_s: float = 0.0
-    # Cores kept busy by other processes on the machine during the run.
-    foreign_cores: float = 0.0
-    # gRPC only: TTFT as the server measured it (its request creation → first token
-    # out of BatchGenerator), from GenerateEnd.timings.
-    server_ttft_s: list[float] = field(default_factory=list)
-    # gRPC only: request sent → start message received (admission round trip).
-    start_s: list[float] = field(default_factory=list)
-
-    @property
-    def tok_s(self) -> float:
-        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def ttft_p50_ms(self) -> float:
-        return percentile(self.ttft_s, 50) * 1e3
-
-    @property
-    def ttft_p99_ms(self) -> float:
-        return percentile(self.ttft_s, 99) * 1e3
-
-
 @dataclass
 class Row:
     streams: int
@@ -321,275 +187,11 @@ class Baseline:
         return Run("baseline", n, tokens, wall, [first[u] - t0 for u in uids], bench_cpu_s=cpu)
 
 
-# -- the server and the gRPC side --------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, args: list[str], log_dir: Path) -> None:
-        self.port = free_port()
-        self.log_path = log_dir / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "service.cli", "serve", "--port", str(self.port), *args]
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        self.frozen = False
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def wait_serving(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited early:\n{self.log()[-3000:]}")
-                with contextlib.suppress(grpc.RpcError):
-                    r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                time.sleep(0.2)
-        raise TimeoutError(f"server not SERVING after {timeout}s:\n{self.log()[-3000:]}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def freeze(self) -> None:
-        if not self.frozen:
-            os.kill(self.proc.pid, signal.SIGSTOP)
-            self.frozen = True
-
-    def thaw(self) -> None:
-        if self.frozen:
-            os.kill(self.proc.pid, signal.SIGCONT)
-            self.frozen = False
-
-    def stop(self) -> None:
-        self.thaw()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-class GrpcSide:
-    def __init__(self, address: str, send_ids: bool, server_pid: int) -> None:
-        self.server = psutil.Process(server_pid)
-        self.address = address
-        self.send_ids = send_ids
-        self.channel = grpc.aio.insecure_channel(address)
-        self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
-
-    def request(self, prompt: Prompt, max_tokens: int) -> inference_pb2.GenerateRequest:
-        req = inference_pb2.GenerateRequest(
-            max_tokens=max_tokens,
-            ignore_eos=True,
-            sampling=inference_pb2.SamplingParams(temperature=0.0),
-        )
-        if self.send_ids:
-            req.token_ids.ids.extend(prompt.ids)
-        else:
-            req.text = prompt.text
-        return req
-
-    async def one(self, req: inference_pb2.GenerateRequest, expect_prompt: int):
-        sent = time.perf_counter()
-        first = None
-        streamed = 0
-        completion = -1
-        server_ttft = float("nan")
-        started = float("nan")
-        async for msg in self.stub.Generate(req, timeout=600):
-            kind = msg.WhichOneof("event")
-            if kind == "chunk":
-                if first is None and msg.chunk.token_ids:
-                    first = time.perf_counter()
-                streamed += len(msg.chunk.token_ids)
-            elif kind == "start":
-                started = time.perf_counter() - sent
-                if msg.start.prompt_tokens != expect_prompt:
-                    raise RuntimeError(
-                        f"server saw {msg.start.prompt_tokens} prompt tokens, the "
-                        f"baseline {expect_prompt}: the prompts differ"
-                    )
-            elif kind == "end":
-                completion = msg.end.usage.completion_tokens
-                server_ttft = msg.end.timings.time_to_first_token_seconds
-        done = time.perf_counter()
-        if completion != streamed:
-            raise RuntimeError(f"usage says {completion} tokens, {streamed} were streamed")
-        first = first if first is not None else done
-        return sent, first, done, completion, server_ttft, started
-
-    async def run(self, prompts: list[Prompt], max_tokens: int) -> Run:
-        reqs = [self.request(p, max_tokens) for p in prompts]
-        cpu0 = time.process_time()
-        server0 = self.server.cpu_times()
-        results = await asyncio.gather(
-            *(self.one(r, len(p.ids)) for r, p in zip(reqs, prompts, strict=True))
-        )
-        cpu = time.process_time() - cpu0
-        server1 = self.server.cpu_times()
-        server_cpu = (server1.user - server0.user) + (server1.system - server0.system)
-        start = min(r[0] for r in results)
-        end = max(r[2] for r in results)
-        tokens = sum(r[3] for r in results)
-        expected = len(prompts) * max_tokens
-        if tokens != expected:
-            raise RuntimeError(f"{tokens} tokens generated, expected {expected}")
-        return Run(
-            "grpc",
-            len(prompts),
-            tokens,
-            end - start,
-            [r[1] - r[0] for r in results],
-            server_ttft_s=[r[4] for r in results],
-            start_s=[r[5] for r in results],
-            bench_cpu_s=cpu,
-            server_cpu_s=server_cpu,
-        )
-
-    async def close(self) -> None:
-        await self.channel.close()
-
-
-# -- other processes on the machine ---------------------------------------------------
-class Machine:
-    """How busy the rest of the machine is: system CPU time less this process's and the
-    server's. A benchmark on a shared box must not count a neighbour's burst against
-    either side, so disturbed runs are measured, reported and run again."""
-
-    # /proc/stat and /proc/PID/stat tick at 100 Hz: allow a few ticks of rounding.
-    TICK_SLACK_S = 0.03
-
-    def __init__(self, server_pid: int) -> None:
-        self.server = psutil.Process(server_pid)
-
-    def sample(self) -> tuple[float, float, float, float]:
-        t = psutil.cpu_times()
-        busy = sum(t) - t.idle
-        for name in ("iowait", "guest", "guest_nice"):
-            busy -= getattr(t, name, 0.0)
-        srv = self.server.cpu_times()
-        return time.perf_counter(), busy, time.process_time(), srv.user + srv.system
-
-    @staticmethod
-    def foreign_cores(a, b) -> float:
-        wall = b[0] - a[0]
-        other = (b[1] - a[1]) - (b[2] - a[2]) - (b[3] - a[3])
-        return max(0.0, other) / wall if wall > 0 else 0.0
-
-    def disturbed(self, foreign: float, wall_s: float, limit: float) -> bool:
-        return foreign > limit + self.TICK_SLACK_S / max(wall_s, 1e-3)
-
-    async def wait_quiet(self, limit: float, max_wait_s: float) -> float:
-        """Waits until other processes use at most `limit` cores (over 0.5 s windows)."""
-        deadline = time.monotonic() + max_wait_s
-        announced = False
-        while True:
-            a = self.sample()
-            await asyncio.sleep(0.5)
-            foreign = self.foreign_cores(a, self.sample())
-            if foreign <= limit + self.TICK_SLACK_S / 0.5 or time.monotonic() >= deadline:
-                if announced:
-                    log(f"  ...machine quiet enough ({foreign:.2f} cores used by others)")
-                return foreign
-            if not announced:
-                log(
-                    f"  other processes are using {foreign:.2f} cores; waiting "
-                    f"(up to {max_wait_s:.0f} s)"
-                )
-                announced = True
-
-
 # -- profiling the server with py-spy ----------------------------------------------------
-def find_py_spy() -> str | None:
-    return shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
-
-
-_FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
-
-
-def _short(frame: str) -> str:
-    """'func (path/to/file.py:123)' -> 'func (file.py)' so lines of one function merge."""
-    m = _FRAME.match(frame.strip())
-    if not m:
-        return frame.strip()
-    file = m.group("file")
-    parts = Path(file).parts
-    if "site-packages" in parts:
-        file = "/".join(parts[parts.index("site-packages") + 1 :])
-    elif str(ROOT) in file:
-        file = os.path.relpath(file, ROOT)
-    else:
-        file = "/".join(parts[-2:])
-    return f"{m.group('func')} ({file})"
-
-
-def analyze_collapsed(path: Path, top: int = 25) -> dict:
-    """Self and inclusive shares of py-spy's collapsed stacks (raw format, --threads)."""
-    total = 0
-    by_thread: Counter[str] = Counter()
-    self_t: Counter[str] = Counter()
-    incl_t: Counter[str] = Counter()
-    self_by_thread: dict[str, Counter[str]] = defaultdict(Counter)
-    for line in path.read_text(errors="replace").splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        n = int(count)
-        frames = stack.split(";")
-        thread = frames[0]
-        m = re.search(r'"([^"]*)"', thread)
-        thread = m.group(1) if m else thread
-        body = [_short(f) for f in frames[1:]] or ["<thread>"]
-        total += n
-        by_thread[thread] += n
-        self_t[body[-1]] += n
-        self_by_thread[thread][body[-1]] += n
-        for f in set(body):
-            incl_t[f] += n
-
-    def pct(c: Counter[str]) -> list[tuple[str, float]]:
-        return [(k, 100.0 * v / total) for k, v in c.most_common(top)] if total else []
-
-    return {
-        "samples": total,
-        "threads": pct(by_thread),
-        "self": pct(self_t),
-        "inclusive": pct(incl_t),
-        "self_by_thread": {
-            t: [(k, 100.0 * v / total) for k, v in c.most_common(12)]
-            for t, c in self_by_thread.items()
-        },
-    }
-
-
-def print_profile(report: dict, title: str) -> None:
-    print(f"\n### {title}: {report['samples']} samples, py-spy mode {report['mode']}")
-    for heading, key in (
-        ("threads", "threads"),
-        ("self time", "self"),
-        ("inclusive time", "inclusive"),
-    ):
-        print(f"\n{heading}:")
-        for name, share in report[key]:
-            print(f"  {share:6.1f}%  {name}")
-    for thread, rows in report["self_by_thread"].items():
-        print(f"\nself time in thread {thread}:")
-        for name, share in rows:
-            print(f"  {share:6.1f}%  {name}")
 
 
 async def profile_server(
-    server: Server,
+    server: ServerProcess,
     side: GrpcSide,
     prompts: list[Prompt],
     max_tokens: int,
@@ -686,7 +288,7 @@ def more_runs(kept: list[Run], args) -> bool:
     return sum(r.wall_s for r in kept) < args.min_seconds and len(kept) < args.max_runs
 
 
-async def bench(args, baseline: Baseline, server: Server, prompts: list[Prompt]) -> dict:
+async def bench(args, baseline: Baseline, server: ServerProcess, prompts: list[Prompt]) -> dict:
     side = GrpcSide(server.address, args.send_ids, server.proc.pid)
     machine = Machine(server.proc.pid)
     freeze = not args.no_freeze
@@ -769,10 +371,6 @@ async def bench(args, baseline: Baseline, server: Server, prompts: list[Prompt])
         server.thaw()
         await side.close()
     return {"rows": rows, "profile": profile, "discarded": discarded}
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -901,16 +499,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="plimsoll-bench-") as tmp:
         log("starting the server")
-        server = Server(server_args, Path(tmp))
-        try:
-            server.wait_serving()
+        with serving(Path(tmp), *server_args, timeout=300) as server:
             result = asyncio.run(bench(args, baseline, server, prompts))
-        except BaseException:
-            with contextlib.suppress(Exception):
-                log(f"server log tail:\n{server.log()[-3000:]}")
-            raise
-        finally:
-            server.stop()
 
     rows: list[Row] = result["rows"]
     lens = [len(p.ids) for p in prompts]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import platform
 import random
@@ -47,7 +46,8 @@ import grpc  # noqa: E402
 
 from engine.demo_models import DEMO_SIZES, ensure_demo_model  # noqa: E402
 from plimsoll.v1 import inference_pb2, inference_pb2_grpc  # noqa: E402
-from tools.bench_generate import Machine, Server, log  # noqa: E402
+from tools.harness.report import Machine, log  # noqa: E402
+from tools.harness.server import ServerProcess, serving  # noqa: E402
 
 SPEEDUP_TARGET = 10.0
 FIRST_ORDINARY_ID = 5  # ids 0-4 are the demo tokenizer's special tokens
@@ -98,7 +98,7 @@ class RoundResult:
     foreign: float
 
 
-async def bench(args, server: Server, vocab: int) -> list[RoundResult]:
+async def bench(args, server: ServerProcess, vocab: int) -> list[RoundResult]:
     rng = random.Random(args.seed)
     machine = Machine(server.proc.pid)
     results: list[RoundResult] = []
@@ -201,17 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_tokens + 2 * args.max_tokens + args.new_tokens > spec.max_position_embeddings:
         raise SystemExit(f"turn 2 must fit the context ({spec.max_position_embeddings})")
     path = ensure_demo_model("tiny")
-    with tempfile.TemporaryDirectory(prefix="plimsoll-bench-") as tmp:
-        server = Server(["--model", str(path), *args.server_arg], Path(tmp))
-        try:
-            server.wait_serving()
-            results = asyncio.run(bench(args, server, spec.vocab_size))
-        except BaseException:
-            with contextlib.suppress(Exception):
-                log(f"server log tail:\n{server.log()[-3000:]}")
-            raise
-        finally:
-            server.stop()
+    with (
+        tempfile.TemporaryDirectory(prefix="plimsoll-bench-") as tmp,
+        serving(Path(tmp), "--model", str(path), *args.server_arg, timeout=300) as server,
+    ):
+        results = asyncio.run(bench(args, server, spec.vocab_size))
     report(args, results)
     if not args.no_bank:
         print("\nSessionBank micro-benchmark: python tools/bench_bank.py\n")

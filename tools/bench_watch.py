@@ -5,8 +5,8 @@
     python -m tools.bench_watch --profile /tmp/prof           # py-spy the server's fan-out
 
 One server (`python -m service.cli serve`, demo-tiny, `--memory-guard-gb 4`) runs as a
-subprocess inside a child memory cgroup of this process's own (root; cgroup v1 or v2),
-the same helper as `tools.bench_enforcer`; the clients run in this process.
+subprocess inside a child memory cgroup of this process's own (root; cgroup v1 or v2;
+`tools.harness.cgroup`, as in `tools.bench_enforcer`); the clients run in this process.
 
 (1) Fan-out. `--subscribers` (1,000) `WatchPressure` streams over `--channels` (10)
 grpc.aio channels, each channel its own TCP connection (a local subchannel pool), 100
@@ -24,7 +24,7 @@ transition is a warm-up. Target: p99 <= 100 ms.
 
 (2) Generate throughput with the subscribers connected vs not, same server, same run:
 8 concurrent `Generate` streams (ignore_eos, temperature 0, 256 tokens each, prompts of
-32-64 tokens) timed with `tools.bench_generate.GrpcSide`; runs alternate without / with
+32-64 tokens) timed with `tools.harness.generate.GrpcSide`; runs alternate without / with
 1,000 idle subscribers (connected before the run, closed after), `--repeats` pairs,
 medians. A third row has the 1,000 subscribers also taking every tick's sample (1,000
 messages per tick, a tick a second while Generate runs). Target: ratio (connected /
@@ -57,23 +57,11 @@ import psutil  # noqa: E402
 
 from engine.demo_models import ensure_demo_model  # noqa: E402
 from plimsoll.v1 import control_pb2, control_pb2_grpc, types_pb2  # noqa: E402
-from tools.bench_enforcer import (  # noqa: E402
-    CgroupServer,
-    CgroupUnavailable,
-    ChildCgroup,
-    limit_for_ceiling,
-    ts,
-)
-from tools.bench_generate import (  # noqa: E402
-    GrpcSide,
-    Machine,
-    analyze_collapsed,
-    find_py_spy,
-    log,
-    make_prompts,
-    percentile,
-    print_profile,
-)
+from tools.harness.cgroup import CgroupUnavailable, ChildCgroup, limit_for_ceiling  # noqa: E402
+from tools.harness.generate import GrpcSide, make_prompts  # noqa: E402
+from tools.harness.profile import analyze_collapsed, find_py_spy, print_profile  # noqa: E402
+from tools.harness.report import Machine, log, percentile, ts  # noqa: E402
+from tools.harness.server import serving  # noqa: E402
 
 FANOUT_P99_TARGET_MS = 100.0
 THROUGHPUT_RATIO_TARGET = 0.95
@@ -455,25 +443,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="plimsoll-bench-") as tmp:
         server_args = ["--model", str(path), "--memory-guard-gb", "4", "--poll-idle", "0.25",
                        "--poll-empty", "0.25"]
-        if cgroup is not None:
-            server = CgroupServer(server_args, Path(tmp), cgroup)
-        else:
-            from tools.bench_generate import Server
-
-            server = Server(server_args, Path(tmp))
+        prefix = cgroup.prefix() if cgroup is not None else None
         try:
-            server.wait_serving()
-            if cgroup is not None and not args.skip_fanout:
-                fan = asyncio.run(fanout(args, server, cgroup))
-            if not args.skip_throughput:
-                log("throughput: without / with subscribers")
-                tput = summarize_tput(asyncio.run(throughput(args, server, path)))
-        except BaseException:
-            with contextlib.suppress(Exception):
-                log(f"server log tail:\n{server.log()[-3000:]}")
-            raise
+            with serving(Path(tmp), *server_args, prefix=prefix, timeout=300) as server:
+                if cgroup is not None and not args.skip_fanout:
+                    fan = asyncio.run(fanout(args, server, cgroup))
+                if not args.skip_throughput:
+                    log("throughput: without / with subscribers")
+                    tput = summarize_tput(asyncio.run(throughput(args, server, path)))
         finally:
-            server.stop()
             if cgroup is not None:
                 cgroup.destroy()
     print_report(args, fan, skipped, tput)

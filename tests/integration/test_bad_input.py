@@ -11,7 +11,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from plimsoll.v1 import inference_pb2, inference_pb2_grpc
-from tests.conftest import serving
+from tools.harness.server import serving
 
 BIG = 3000  # beyond nothing; the tiny model's context is 4096
 

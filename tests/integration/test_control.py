@@ -10,7 +10,7 @@ import pytest
 from google.protobuf import duration_pb2
 
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
-from tests.conftest import serving, start_server
+from tools.harness.server import serving, start_server
 
 MiB = 2**20
 
@@ -219,7 +219,7 @@ def test_hyper_mode_refuses_wider_settings_at_start(tmp_path):
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tools.harness.server import ROOT
 
     r = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--scheduler-mode",
                         "hyper", "--max-num-seqs", "4"], cwd=ROOT, capture_output=True,

@@ -12,7 +12,7 @@ from grpc_status import rpc_status
 
 from engine.demo_models import ensure_demo_model
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
-from tests.conftest import serving, start_server
+from tools.harness.server import serving, start_server
 
 
 @pytest.fixture(scope="module")

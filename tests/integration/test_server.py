@@ -14,33 +14,30 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from plimsoll.v1 import inference_pb2, inference_pb2_grpc
 from service.server import CONTROL, INFERENCE, PlimsollServer, ServerConfig
 from telemetry import names
-from telemetry.setup import setup
-from tests.conftest import ROOT, start_server
+from tools.harness.server import ROOT, start_server
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-METRICS = InMemoryMetricReader()
+@pytest.fixture()
+def spans(captured) -> InMemorySpanExporter:
+    return captured.spans
 
 
-@pytest.fixture(scope="session")
-def spans() -> InMemorySpanExporter:
-    exporter = InMemorySpanExporter()
-    setup(extra_span_processors=[SimpleSpanProcessor(exporter)],
-          extra_metric_readers=[METRICS])
-    return exporter
+@pytest.fixture()
+def metrics(captured) -> InMemoryMetricReader:
+    return captured.metrics
 
 
-def metric_points() -> dict[str, list]:
+def metric_points(reader: InMemoryMetricReader) -> dict[str, list]:
     out: dict[str, list] = {}
-    data = METRICS.get_metrics_data()
+    data = reader.get_metrics_data()
     for rm in data.resource_metrics if data else []:
         for sm in rm.scope_metrics:
             for m in sm.metrics:
@@ -48,7 +45,7 @@ def metric_points() -> dict[str, list]:
     return out
 
 
-async def test_request_and_memory_metrics(spans, demo_path):
+async def test_request_and_memory_metrics(spans, metrics, demo_path):
     server = PlimsollServer(ServerConfig(port=0, models=[str(demo_path)]))
     port = await server.start()
     await server.load_initial_models()
@@ -58,10 +55,10 @@ async def test_request_and_memory_metrics(spans, demo_path):
             call = stub.Generate(inference_pb2.GenerateRequest(
                 text="count me", max_tokens=5, ignore_eos=True))
             [m async for m in call]
-            await server.runtime.enforcer.tick()
+            await server.service.governor.tick()
     finally:
         await server.drain()
-    points = metric_points()
+    points = metric_points(metrics)
     verdicts = {p.attributes.get(names.ATTR_VERDICT) for p in points[names.METRIC_ADMISSIONS]}
     assert "admit" in verdicts
     assert sum(p.value for p in points[names.METRIC_TOKENS_GENERATED]) >= 5

@@ -1,4 +1,5 @@
-"""Fixtures for the real-memory-limit tests: child cgroups and servers inside them.
+"""Fixtures for the real-memory-limit tests: child cgroups and servers inside them
+(`tools.harness.cgroup`, `tools.harness.server`).
 
 Teardown order matters and is guaranteed by the fixture graph: `servers` depends on
 `cgroups`, so every server is stopped (SIGKILL if it does not stop) before its cgroup
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ServerProcess, start_server
-from tests.pressure.cgroup import CgroupUnavailable, ChildCgroup, remove_leftovers
+from tools.harness.cgroup import CgroupUnavailable, ChildCgroup, remove_leftovers
+from tools.harness.server import ServerProcess, start_server
 
 
 @pytest.fixture(scope="session")

@@ -476,7 +476,7 @@ class StatusPoint:
     hard_bytes: int
     binding_term: str
     terms: dict[str, int]
-    caps: dict[str, int]  # model id -> ModelInfo.batch_cap (store-cache cap)
+    caps: dict[str, int]  # model id -> ModelInfo.store_cache_cap
     poll_interval_s: float
     pool_bytes: int = 0  # the MLX buffer pool (reclaimable)
     active_bytes: int = 0  # MLX active memory
@@ -492,7 +492,7 @@ class StatusPoint:
         )
 
 
-CAP_FIELD = "batch_cap"
+CAP_FIELD = "store_cache_cap"
 
 
 def has_cap_field() -> bool:

@@ -15,7 +15,7 @@ killer for a test; so this test sets soft_fraction 0.6 and hard_fraction 0.75 th
 `--memory-config` and pins a ~320 MB medium model (own ≈ 430 MB): soft then arrives
 with ~290 MB of headroom left and hard with ~140 MB.
 
-Meanwhile the store-cache cap (`ModelInfo.batch_cap`, --max-num-seqs 4) must walk one
+Meanwhile the store-cache cap (`ModelInfo.store_cache_cap`, --max-num-seqs 4) must walk one
 step per tick: down to 1 under pressure, back up to 4 at ok.
 
 The scenario runs once (module fixture); the tests assert on its record. `pytest -s`
@@ -31,8 +31,6 @@ import pytest
 
 from engine.demo_models import ensure_demo_model
 from plimsoll.v1 import control_pb2, control_pb2_grpc
-from tests.conftest import ServerProcess, start_server
-from tests.pressure.cgroup import ChildCgroup, OomCounters
 from tests.pressure.harness import (
     CAP_FIELD,
     HARD,
@@ -48,6 +46,8 @@ from tests.pressure.harness import (
     warm_page_cache,
 )
 from tools.balloon import Balloon, BalloonError
+from tools.harness.cgroup import ChildCgroup, OomCounters
+from tools.harness.server import ServerProcess, start_server
 
 pytestmark = pytest.mark.timeout(240)
 

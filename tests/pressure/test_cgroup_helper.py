@@ -13,14 +13,14 @@ import time
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.pressure.cgroup import (
+from tools.balloon import MIB, Balloon, BalloonError, Reservoir
+from tools.harness.cgroup import (
     CgroupUnavailable,
     find_own_cgroup,
     parse_v1_oom,
     parse_v2_events,
 )
-from tools.balloon import MIB, Balloon, BalloonError, Reservoir
+from tools.harness.server import ROOT
 
 MOUNTINFO_V1 = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755

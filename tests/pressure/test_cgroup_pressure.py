@@ -43,7 +43,6 @@ import pytest
 
 from engine.demo_models import ensure_demo_model
 from plimsoll.v1 import control_pb2, control_pb2_grpc
-from tests.conftest import start_server
 from tests.pressure.harness import (
     MIB,
     Ended,
@@ -58,6 +57,7 @@ from tests.pressure.harness import (
     status_point,
     warm_page_cache,
 )
+from tools.harness.server import start_server
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -23,8 +23,8 @@ import pytest
 
 from engine.demo_models import ensure_demo_model
 from plimsoll.v1 import control_pb2, control_pb2_grpc
-from tests.conftest import start_server
 from tests.pressure.harness import Generations, mib, rss_bytes, warm_page_cache
+from tools.harness.server import start_server
 
 pytestmark = pytest.mark.timeout(180)
 

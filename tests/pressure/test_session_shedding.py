@@ -311,23 +311,19 @@ def test_long_prompts_shed_idle_sessions_and_spare_active_ones(cgroups, servers)
         a_tokens = _tokens(rng, MAX_PROBE_TOKENS)
 
         def first_size(entries: int) -> int | None:
-            lo, hi = 1, MAX_PROBE_TOKENS
-            if admit(small, a_tokens[:hi]).shed_entries < entries:
-                return None
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if admit(small, a_tokens[:mid]).shed_entries >= entries:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            return lo
+            # Not monotonic: past the largest prompt shedding can fit, Admit previews
+            # shedding nothing (it would be refused, and nothing is shed for it).
+            for size in range(8, MAX_PROBE_TOKENS + 1, 8):
+                if admit(small, a_tokens[:size]).shed_entries >= entries:
+                    return size
+            return None
 
         two, three = first_size(2), first_size(3)
         assert two is not None, (
             f"no prompt of up to {MAX_PROBE_TOKENS} tokens on {small} makes Admit shed two "
             f"entries: {_admit_line(admit(small, a_tokens))}"
         )
-        size = (two + (three or MAX_PROBE_TOKENS)) // 2
+        size = (two + three) // 2 if three else two
         note(f"A: sheds 2 entries from {two} tokens, 3 from {three}; using {size}")
         a = probe("A", small, a_tokens[:size])
         r2 = probe("R2", small, long_prompt)

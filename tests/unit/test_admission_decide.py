@@ -1,32 +1,35 @@
-"""decide(): projection, gating and the shed ladder, with exact bytes."""
+"""decide() and gate(): projection, floor and gating, with exact bytes.
+
+decide() is the first look only: whether the request fits under the threshold or
+needs the relief cascade (`Decision.needs_relief`). The cascade itself, its order
+and its targets are the plan's (tests/unit/test_admission_plan.py).
+"""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from sessions.admission import (
-    BINDING_CEILING,
+from memory.levels import PressureLevel
+from memory.plans.admission import (
+    BINDING_ADMISSION_CAP,
     BINDING_HYPER_CAP,
+    BINDING_PAUSED_AT_EMERGENCY,
     BINDING_PAUSED_AT_HARD,
     BINDING_PAUSED_AT_SOFT,
     BINDING_PREFILL_EXCEEDS_CEILING,
     BINDING_QUEUE_FULL,
-    BINDING_THRESHOLD,
-    LEVEL_HARD,
-    LEVEL_SOFT,
     RETRY_AFTER_MEMORY_S,
     RETRY_AFTER_WAIT_S,
     AdmissionInputs,
-    BankFigures,
     SchedulerMode,
-    ShedKind,
-    ShedStep,
     Verdict,
     decide,
     gate,
     miss_tokens,
+    own_bytes,
     project_bytes,
 )
+from memory.views import BankFigures
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -48,6 +51,7 @@ def test_project_bytes_formula():
                         prompt_tokens=100, reusable_prefix_tokens=40, kv_bytes_per_token=10,
                         prefill_transient_bytes=77, reserved_bytes=5, restore_bytes=3)
     assert miss_tokens(i) == 60
+    assert own_bytes(i) == 60 * 10 + 77 + 3
     assert project_bytes(i) == 1000 + 60 * 10 + 77 + 3 + 5
 
 
@@ -57,85 +61,73 @@ def test_at_least_one_token_is_prefilled():
     assert miss_tokens(i) == 1 and project_bytes(i) == 7
 
 
-def test_fits_under_threshold_admits_without_shedding():
+def test_fits_under_threshold_admits_without_relief():
     d = decide(ladder_inputs(usage_bytes=5 * GiB))
-    assert d.verdict is Verdict.ADMIT and d.shed == () and d.binding is None
-    assert d.projected_bytes == 7 * GiB and d.headroom_bytes == 5 * GiB + GiB // 2
+    assert d.verdict is Verdict.ADMIT and not d.needs_relief and d.binding is None
+    assert d.projected_bytes == 7 * GiB and d.request_bytes == 2 * GiB
+    assert d.headroom_bytes == 5 * GiB + GiB // 2
+    assert d.retry_after_s is None and d.admits
 
 
-def test_ladder_order_reclaim_then_lru_then_chain_exact_bytes():
+def test_over_the_threshold_needs_relief_with_exact_numbers():
+    # 8 GiB + 2048 x 1 MiB = 10 GiB projected, over the 8 GiB threshold.
     d = decide(ladder_inputs())
-    assert d.verdict is Verdict.ADMIT_AFTER_SHEDDING and d.binding == BINDING_THRESHOLD
+    assert d.needs_relief and d.binding is None and d.retry_after_s is None
     assert d.projected_bytes == 10 * GiB and d.request_bytes == 2 * GiB
-    assert d.shed == (
-        ShedStep(ShedKind.RECLAIM_POOL, GiB // 2),
-        ShedStep(ShedKind.SHRINK_TO_BYTES, GiB, target_bytes=3 * GiB - (GiB + GiB // 2)),
-        ShedStep(ShedKind.SHRINK_FOR_ADMISSION, GiB // 2, target_bytes=2 * GiB - GiB // 2),
-    )
-    assert d.projected_after_shed_bytes == 8 * GiB and d.shed_bytes == 2 * GiB
+    assert d.headroom_bytes == 2 * GiB + GiB // 2
+    assert d.numbers == {
+        "usage_bytes": 8 * GiB, "projected_bytes": 10 * GiB, "threshold_bytes": 8 * GiB,
+        "ceiling_bytes": 10 * GiB + GiB // 2, "pool_bytes": GiB // 2, "reserved_bytes": 0,
+        "miss_tokens": 2048, "kv_bytes_per_token": MiB, "bank_bytes": 3 * GiB,
+    }
+    assert "over the threshold" in d.reason and "8.00 GiB" in d.reason
 
 
-def test_ladder_stops_at_the_first_step_that_fits():
-    d = decide(ladder_inputs(threshold_bytes=9 * GiB + GiB // 2))
-    assert [s.kind for s in d.shed] == [ShedKind.RECLAIM_POOL]
-    d = decide(ladder_inputs(threshold_bytes=9 * GiB))
-    assert [s.kind for s in d.shed] == [ShedKind.RECLAIM_POOL, ShedKind.SHRINK_TO_BYTES]
-    assert d.shed[1] == ShedStep(ShedKind.SHRINK_TO_BYTES, GiB // 2, target_bytes=2 * GiB + GiB // 2)
+def test_exactly_at_the_threshold_needs_no_relief():
+    d = decide(ladder_inputs(usage_bytes=6 * GiB))
+    assert d.projected_bytes == 8 * GiB and not d.needs_relief
 
 
-def test_still_over_ceiling_after_the_ladder_is_refused_with_numbers():
+def test_even_past_the_ceiling_decide_only_asks_for_relief():
+    # 8 GiB + 5120 x 1 MiB = 13 GiB > 9 GiB: the refusal is the plan's, after the cascade.
     d = decide(ladder_inputs(prompt_tokens=30 + 5 * 1024, ceiling_bytes=9 * GiB))
-    assert d.verdict is Verdict.REJECT and d.binding == BINDING_CEILING
-    assert d.projected_bytes == 13 * GiB
-    assert d.projected_after_shed_bytes == 13 * GiB - GiB // 2 - 2 * GiB
-    assert d.numbers["shortfall_bytes"] == GiB + GiB // 2
-    assert d.numbers["ceiling_bytes"] == 9 * GiB and d.numbers["miss_tokens"] == 5120
-    assert d.retry_after_s == RETRY_AFTER_MEMORY_S and d.error_reason == "MEMORY_PRESSURE"
-    assert "ceiling" in d.reason and "9.00 GiB" in d.reason
-
-
-def test_between_threshold_and_ceiling_is_admitted():
-    # Nothing to shed, 0.5 GiB over the threshold, under the ceiling.
-    d = decide(ladder_inputs(pool_bytes=0, bank=BankFigures(), usage_bytes=6 * GiB + GiB // 2))
-    assert d.verdict is Verdict.ADMIT and d.shed == ()
-    d = decide(ladder_inputs(pool_bytes=0, bank=BankFigures(), usage_bytes=9 * GiB))
-    assert d.verdict is Verdict.REJECT and d.numbers["shortfall_bytes"] == GiB // 2
-
-
-def test_chain_shed_disabled_skips_step_three():
-    d = decide(ladder_inputs(chain_shed_enabled=False))
-    assert [s.kind for s in d.shed] == [ShedKind.RECLAIM_POOL, ShedKind.SHRINK_TO_BYTES]
-    assert d.verdict is Verdict.ADMIT_AFTER_SHEDDING
-    assert d.projected_after_shed_bytes == 8 * GiB + GiB // 2  # over threshold, under ceiling
-    d = decide(ladder_inputs(chain_shed_enabled=False, ceiling_bytes=8 * GiB + GiB // 4))
-    assert d.verdict is Verdict.REJECT and d.binding == BINDING_CEILING
-    assert decide(ladder_inputs(ceiling_bytes=8 * GiB + GiB // 4)).admits  # enabled: fits
+    assert d.needs_relief and d.projected_bytes == 13 * GiB
+    assert d.numbers["miss_tokens"] == 5120 and d.numbers["ceiling_bytes"] == 9 * GiB
 
 
 def test_reserved_tickets_of_others_count_against_the_projection():
     d = decide(ladder_inputs(usage_bytes=5 * GiB, reserved_bytes=GiB + 1))
-    assert d.projected_bytes == 8 * GiB + 1 and d.verdict is Verdict.ADMIT_AFTER_SHEDDING
-    assert decide(ladder_inputs(usage_bytes=5 * GiB, reserved_bytes=GiB)).verdict is Verdict.ADMIT
+    assert d.projected_bytes == 8 * GiB + 1 and d.request_bytes == 3 * GiB + 1
+    assert d.needs_relief
+    assert not decide(ladder_inputs(usage_bytes=5 * GiB, reserved_bytes=GiB)).needs_relief
 
 
 def test_paused_at_soft_but_first_request_passes():
-    assert decide(ladder_inputs(usage_bytes=GiB, level=LEVEL_SOFT)).verdict is Verdict.ADMIT
-    d = decide(ladder_inputs(usage_bytes=GiB, level=LEVEL_SOFT, admitted_in_flight=1))
+    d = decide(ladder_inputs(usage_bytes=GiB, level=PressureLevel.SOFT))
+    assert d.verdict is Verdict.ADMIT and not d.needs_relief
+    d = decide(ladder_inputs(usage_bytes=GiB, level=PressureLevel.SOFT, admitted_in_flight=1))
     assert d.verdict is Verdict.WAIT and d.binding == BINDING_PAUSED_AT_SOFT
-    assert d.retry_after_s == RETRY_AFTER_WAIT_S
-    d = decide(ladder_inputs(usage_bytes=GiB, level=LEVEL_HARD, admitted_in_flight=2))
+    assert d.retry_after_s == RETRY_AFTER_WAIT_S and not d.needs_relief
+    assert d.error_reason == "MEMORY_PRESSURE"
+    d = decide(ladder_inputs(usage_bytes=GiB, level=PressureLevel.HARD, admitted_in_flight=2))
     assert d.binding == BINDING_PAUSED_AT_HARD
+    d = decide(ladder_inputs(usage_bytes=GiB, level=PressureLevel.EMERGENCY,
+                             admitted_in_flight=1))
+    assert d.binding == BINDING_PAUSED_AT_EMERGENCY
 
 
-def test_first_request_at_soft_still_goes_through_the_memory_ladder():
-    d = decide(ladder_inputs(level=LEVEL_SOFT, ceiling_bytes=9 * GiB, prompt_tokens=30 + 5120))
-    assert d.verdict is Verdict.REJECT and d.binding == BINDING_CEILING
+def test_first_request_at_soft_still_goes_through_the_memory_cascade():
+    d = decide(ladder_inputs(level=PressureLevel.SOFT, ceiling_bytes=9 * GiB,
+                             prompt_tokens=30 + 5120))
+    assert d.verdict is Verdict.ADMIT and d.binding is None and d.needs_relief
 
 
 def test_queue_full_rejects_instead_of_waiting():
-    d = decide(ladder_inputs(level=LEVEL_SOFT, admitted_in_flight=1, queue_depth=4, queue_limit=4))
+    d = decide(ladder_inputs(level=PressureLevel.SOFT, admitted_in_flight=1, queue_depth=4,
+                             queue_limit=4))
     assert d.verdict is Verdict.REJECT and d.binding == BINDING_QUEUE_FULL
-    assert d.error_reason == "QUEUE_FULL"
+    assert d.error_reason == "QUEUE_FULL" and d.retry_after_s == RETRY_AFTER_WAIT_S
+    assert not d.needs_relief
 
 
 def test_hyper_mode_admits_exactly_one():
@@ -143,19 +135,42 @@ def test_hyper_mode_admits_exactly_one():
     assert decide(i).verdict is Verdict.ADMIT
     d = decide(replace(i, admitted_in_flight=1))
     assert d.verdict is Verdict.WAIT and d.binding == BINDING_HYPER_CAP
+    assert d.error_reason == "QUEUE_FULL"
+
+
+def test_admission_cap_in_default_mode():
+    i = ladder_inputs(usage_bytes=GiB, admission_cap=2, admitted_in_flight=1)
+    assert decide(i).verdict is Verdict.ADMIT
+    d = decide(replace(i, admitted_in_flight=2))
+    assert d.verdict is Verdict.WAIT and d.binding == BINDING_ADMISSION_CAP
 
 
 def test_prefill_that_can_never_fit_is_refused_up_front():
     d = decide(ladder_inputs(floor_bytes=9 * GiB))  # 9 + 2 > 10.5
     assert d.verdict is Verdict.REJECT and d.binding == BINDING_PREFILL_EXCEEDS_CEILING
-    assert d.retry_after_s is None and d.error_reason == "PREFILL_EXCEEDS_CEILING"
-    assert decide(ladder_inputs(floor_bytes=8 * GiB)).admits
+    assert not d.needs_relief and d.error_reason == "PREFILL_EXCEEDS_CEILING"
+    # Inverted from the previous API (None): the refusal now carries the memory retry hint.
+    assert d.retry_after_s == RETRY_AFTER_MEMORY_S
+    assert d.numbers["floor_bytes"] == 9 * GiB and d.numbers["request_bytes"] == 2 * GiB
+    assert "floor" in d.reason and "10.50 GiB" in d.reason
+    assert decide(ladder_inputs(floor_bytes=8 * GiB + GiB // 2)).verdict is Verdict.ADMIT
+
+
+def test_the_floor_check_comes_before_the_gate():
+    d = decide(ladder_inputs(floor_bytes=9 * GiB, level=PressureLevel.SOFT, admitted_in_flight=1))
+    assert d.binding == BINDING_PREFILL_EXCEEDS_CEILING
 
 
 def test_gate_function():
-    assert gate(1, 5) is None
-    assert gate(2, 0) is None
-    assert gate(2, 1) == (Verdict.WAIT, BINDING_PAUSED_AT_SOFT)
-    assert gate(1, 3, admission_cap=3) == (Verdict.WAIT, "admission_cap")
-    assert gate(1, 1, mode=SchedulerMode.HYPER, queue_depth=2, queue_limit=2) == (
+    ok, soft, hard = PressureLevel.OK, PressureLevel.SOFT, PressureLevel.HARD
+    assert gate(ok, 5) is None
+    assert gate(soft, 0) is None  # the first request passes
+    assert gate(soft, 1) == (Verdict.WAIT, BINDING_PAUSED_AT_SOFT)
+    assert gate(hard, 1) == (Verdict.WAIT, BINDING_PAUSED_AT_HARD)
+    assert gate(ok, 3, admission_cap=3) == (Verdict.WAIT, BINDING_ADMISSION_CAP)
+    assert gate(ok, 0, mode=SchedulerMode.HYPER) is None
+    assert gate(ok, 1, mode=SchedulerMode.HYPER, admission_cap=8) == (
+        Verdict.WAIT, BINDING_HYPER_CAP)
+    assert gate(ok, 1, mode=SchedulerMode.HYPER, queue_depth=2, queue_limit=2) == (
         Verdict.REJECT, BINDING_QUEUE_FULL)
+    assert gate(ok, 1, queue_depth=99, queue_limit=2) is None  # open gate: no queue check

@@ -1,4 +1,7 @@
-"""AdmissionQueue (bounded FIFO waiting), hyper mode, start-up validation, reservations."""
+"""AdmissionQueue (bounded FIFO waiting for the shared gate), hyper mode, start-up validation.
+
+Reservations moved with the TTL map to tests/unit/test_sessions_ttl.py.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +9,22 @@ import asyncio
 
 import pytest
 
-from sessions.admission import (
+from memory.levels import PressureLevel
+from memory.plans.admission import (
+    BINDING_ADMISSION_CAP,
     BINDING_HYPER_CAP,
+    BINDING_PAUSED_AT_HARD,
     BINDING_PAUSED_AT_SOFT,
     BINDING_QUEUE_FULL,
+    DEFAULT_QUEUE_LIMIT,
     HYPER_ADMISSION_CAP,
-    LEVEL_OK,
-    LEVEL_SOFT,
-    AdmissionQueue,
-    QueueOutcome,
-    ReservationBook,
+    RETRY_AFTER_WAIT_S,
+    AdmissionSettings,
     SchedulerMode,
-    queue_from_settings,
     validate_scheduler_settings,
 )
-from sessions.testing import FakeClock
+from memory.views import QueueView
+from sessions.admission import AdmissionQueue, QueueOutcome, queue_from_settings
 
 # -- queue ------------------------------------------------------------------------------
 
@@ -57,7 +61,7 @@ async def test_queue_full_is_immediate_and_typed():
     await asyncio.sleep(0.01)
     c = await q.acquire(5.0)
     assert c.outcome is QueueOutcome.QUEUE_FULL and c.binding == BINDING_QUEUE_FULL
-    assert c.retry_after_s == 1.0 and not c.admitted
+    assert c.retry_after_s == RETRY_AFTER_WAIT_S == 1.0 and not c.admitted
     a.slot.release()
     assert (await b).admitted
 
@@ -73,19 +77,19 @@ async def test_waiting_times_out_with_a_typed_outcome():
 
 
 async def test_paused_at_soft_first_request_passes_then_resume_on_ok():
-    q = AdmissionQueue(level=LEVEL_SOFT)
+    q = AdmissionQueue(level=PressureLevel.SOFT)
     first = await q.acquire(1.0)
     assert first.admitted  # nothing admitted: the first always passes
     assert q.blocked_by() == BINDING_PAUSED_AT_SOFT
     second = asyncio.create_task(q.acquire(5.0))
     await asyncio.sleep(0.01)
     assert not second.done()
-    q.set_level(LEVEL_OK)
+    q.set_paused(None)  # the governor resumes admission
     assert (await second).admitted and q.in_flight == 2
 
 
 async def test_paused_waiter_admitted_when_in_flight_drains_to_zero():
-    q = AdmissionQueue(level=LEVEL_SOFT)
+    q = AdmissionQueue(level=PressureLevel.SOFT)
     first = await q.acquire()
     second = asyncio.create_task(q.acquire(5.0))
     await asyncio.sleep(0.01)
@@ -111,7 +115,31 @@ async def test_admission_cap_in_default_mode():
     a, b = await q.acquire(), await q.acquire()
     assert a.admitted and b.admitted
     r = await q.acquire(0.02)
-    assert r.outcome is QueueOutcome.TIMEOUT and r.binding == "admission_cap"
+    assert r.outcome is QueueOutcome.TIMEOUT and r.binding == BINDING_ADMISSION_CAP
+
+
+async def test_set_paused_pauses_at_a_level_and_view_reports_the_gate():
+    q = AdmissionQueue(queue_limit=3)
+    assert q.view() == QueueView(in_flight=0, waiting=0, limit=3)
+    first = await q.acquire()
+    q.set_paused(PressureLevel.HARD)
+    assert q.level is PressureLevel.HARD and q.blocked_by() == BINDING_PAUSED_AT_HARD
+    second = asyncio.create_task(q.acquire(5.0))
+    await asyncio.sleep(0.01)
+    assert q.view() == QueueView(in_flight=1, waiting=1, limit=3)
+    q.set_paused(None)
+    assert q.level is PressureLevel.OK and q.blocked_by() is None
+    assert (await second).admitted and q.view() == QueueView(in_flight=2, waiting=0, limit=3)
+    first.slot.release()
+
+
+async def test_pause_while_a_waiter_times_out_reports_the_pause():
+    q = AdmissionQueue(level=PressureLevel.SOFT)
+    first = await q.acquire()
+    r = await q.acquire(0.02)
+    assert r.outcome is QueueOutcome.TIMEOUT and r.binding == BINDING_PAUSED_AT_SOFT
+    assert r.retry_after_s == RETRY_AFTER_WAIT_S
+    first.slot.release()
 
 
 # -- scheduler settings ---------------------------------------------------------------------
@@ -119,7 +147,10 @@ async def test_admission_cap_in_default_mode():
 
 def test_hyper_cap_is_exactly_one():
     s = validate_scheduler_settings(SchedulerMode.HYPER, 1)
-    assert HYPER_ADMISSION_CAP == 1 and s.admission_cap == 1 and s.mode is SchedulerMode.HYPER
+    assert HYPER_ADMISSION_CAP == 1 and s.admission_cap == 1
+    assert s.scheduler_mode is SchedulerMode.HYPER
+    q = queue_from_settings(s)
+    assert (q.mode, q.admission_cap, q.queue_limit) == (SchedulerMode.HYPER, 1, DEFAULT_QUEUE_LIMIT)
 
 
 @pytest.mark.parametrize("kw,flag", [
@@ -136,34 +167,12 @@ def test_hyper_refuses_settings_that_allow_more_than_one(kw, flag):
 
 def test_default_mode_settings_and_bad_values():
     s = validate_scheduler_settings("default", 16)
-    assert s.admission_cap is None and s.max_num_seqs == 16
+    assert s == AdmissionSettings(scheduler_mode=SchedulerMode.DEFAULT, admission_cap=None,
+                                  queue_limit=DEFAULT_QUEUE_LIMIT)
+    assert validate_scheduler_settings("default", 16, queue_limit=0).queue_limit == 0
     with pytest.raises(ValueError, match="--scheduler-mode"):
         validate_scheduler_settings("turbo", 1)
     with pytest.raises(ValueError, match="--max-num-seqs"):
         validate_scheduler_settings("default", 0)
     with pytest.raises(ValueError, match="--queue-limit"):
         validate_scheduler_settings("default", 1, queue_limit=-1)
-
-
-# -- reservations --------------------------------------------------------------------------
-
-
-def test_reservations_count_against_others_and_expire():
-    clock = FakeClock(0.0)
-    ids = iter(["t1", "t2", "t3"])
-    book = ReservationBook(clock, id_factory=lambda: next(ids))
-    r1 = book.reserve(1000, "m")  # default TTL 30 s
-    r2 = book.reserve(300, "m2", ttl_s=10)
-    assert (r1.ticket, r1.expires_at, r2.expires_at) == ("t1", 30.0, 10.0)
-    assert book.reserved_bytes() == 1300
-    assert book.reserved_bytes(excluding="t1") == 300
-    assert book.reserved_bytes(model="m") == 1000
-    clock.set(10.0)
-    assert book.reserved_bytes() == 1000  # t2 expired: no longer counted
-    assert [r.ticket for r in book.expire()] == ["t2"] and len(book) == 1
-    assert book.redeem("t1") == r1 and book.redeem("t1") is None  # single use
-    r3 = book.reserve(5, "m", ttl_s=1)
-    clock.set(11.0)
-    assert book.get("t3") is None and book.redeem(r3.ticket) is None  # expired at redeem
-    with pytest.raises(ValueError):
-        book.reserve(-1, "m")

@@ -8,8 +8,8 @@ import pytest
 
 from memory.ceiling import compute_limits, limit_terms
 from memory.config import AbortOrder, MemoryConfig, load_memory_config
-from memory.fakes import readings
 from memory.levels import GIB, MIB, Tier, static_reserve_bytes
+from tests.support.memory_fakes import readings
 
 
 def g(x: float) -> int:
@@ -167,7 +167,8 @@ def test_a_container_smaller_than_its_reserve_floors_at_one_byte():
         ({"soft_fraction": 0.0}, "soft_fraction=0.0"),
         ({"active_poll_s": 0}, "active_poll_s must be > 0"),
         ({"empty_poll_s": -1}, "empty_poll_s must be > 0"),
-        ({"hysteresis_fraction": 0.5}, "hysteresis_fraction must be in [0, 0.2]"),
+        ({"resume_band_fraction": 0.5}, "resume_band_fraction must be in [0, 0.2]"),
+        ({"resume_band_fraction": -0.01}, "resume_band_fraction must be in [0, 0.2]"),
         ({"operator_cap_bytes": 0}, "operator_cap_bytes must be > 0"),
         ({"emergency_polls": 0}, "emergency_polls must be >= 1"),
         ({"reclaim_grace_polls": -1}, "reclaim_grace_polls must be >= 0"),
@@ -244,3 +245,10 @@ def test_load_memory_config_from_toml(tmp_path):
     bad.write_text('[memory]\ntier = "safe"\nwhatever = 1\n')
     with pytest.raises(ValueError, match="unknown memory setting"):
         load_memory_config(bad)
+
+
+def test_the_resume_band_is_opt_in_and_hysteresis_is_gone():
+    assert MemoryConfig().resume_band_fraction == 0.0  # the seed: resume at ok
+    assert MemoryConfig.from_mapping({"resume-band-fraction": 0.02}).resume_band_fraction == 0.02
+    with pytest.raises(ValueError, match="unknown memory setting"):
+        MemoryConfig.from_mapping({"hysteresis_fraction": 0.02})

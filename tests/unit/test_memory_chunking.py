@@ -36,13 +36,13 @@ def test_cost_model_ignores_empty_chunks_and_clamps_negative_deltas():
         PrefillCostModel(static_bytes_per_token=1, alpha=0)
 
 
-def test_chunk_shrinks_as_usage_nears_the_tier_fraction_of_the_abort_cap():
+def test_chunk_shrinks_as_usage_nears_the_tier_fraction_of_the_ceiling():
     cap, bpt = 10 * GIB, MIB
     target = prefill_target_bytes(Tier.BALANCED, cap)  # 0.92 x 10 GiB
     sizes = [
         plan_chunk(
             tier=Tier.BALANCED,
-            abort_cap_bytes=cap,
+            ceiling_bytes=cap,
             usage_bytes=target - free * MIB,
             bytes_per_token=bpt,
             remaining_tokens=100_000,
@@ -54,7 +54,7 @@ def test_chunk_shrinks_as_usage_nears_the_tier_fraction_of_the_abort_cap():
 
 
 def test_chunk_clamps_to_remaining_min_and_max():
-    kw = dict(tier=Tier.SAFE, abort_cap_bytes=10 * GIB, usage_bytes=0, bytes_per_token=MIB)
+    kw = dict(tier=Tier.SAFE, ceiling_bytes=10 * GIB, usage_bytes=0, bytes_per_token=MIB)
     assert plan_chunk(remaining_tokens=0, **kw) == 0
     assert plan_chunk(remaining_tokens=7, **kw) == 7
     assert plan_chunk(remaining_tokens=10_000, max_chunk=512, **kw) == 512
@@ -71,6 +71,7 @@ def test_pre_chunk_abort_uses_the_margin_not_the_chunk_fraction():
     assert not should_abort_before_chunk(
         tier=Tier.BALANCED,
         abort_cap_bytes=cap,
+        ceiling_bytes=cap,
         usage_bytes=at_target,
         chunk_tokens=1024,
         bytes_per_token=MIB,
@@ -78,7 +79,31 @@ def test_pre_chunk_abort_uses_the_margin_not_the_chunk_fraction():
     assert should_abort_before_chunk(
         tier=Tier.BALANCED,
         abort_cap_bytes=cap,
+        ceiling_bytes=cap,
         usage_bytes=int(cap * 0.93),
         chunk_tokens=1,
         bytes_per_token=1,
     )
+
+
+@pytest.mark.parametrize(("tier", "fraction", "margin"), [
+    (Tier.SAFE, 0.90, 0.90), (Tier.BALANCED, 0.92, 0.93),
+    (Tier.AGGRESSIVE, 0.97, 0.97), (Tier.CUSTOM, 0.95, 0.95),
+])
+def test_seed_chunk_fractions_are_of_the_recomputed_ceiling_and_margins_of_the_stable_cap(
+        tier, fraction, margin):
+    """The dynamic term binds (50 GiB) under a larger stable cap (58 GiB): the chunk
+    target is the tier's fraction of the 50 GiB ceiling, never of the stable cap."""
+    ceiling, stable = 50 * GIB, 58 * GIB
+    assert prefill_target_bytes(tier, ceiling) == int(ceiling * fraction)
+    assert prefill_target_bytes(tier, ceiling) < ceiling
+    # One token of headroom under the target: a chunk of one (min_chunk 1).
+    usage = int(ceiling * fraction) - MIB
+    assert plan_chunk(tier=tier, ceiling_bytes=ceiling, usage_bytes=usage,
+                      bytes_per_token=MIB, remaining_tokens=10_000, min_chunk=1) == 1
+    # The abort line is the margin of the stable cap, but never past the ceiling.
+    line = min(int(stable * margin), ceiling)
+    kw = dict(tier=tier, abort_cap_bytes=stable, ceiling_bytes=ceiling, chunk_tokens=1,
+              bytes_per_token=1)
+    assert not should_abort_before_chunk(usage_bytes=line - 1, **kw)
+    assert should_abort_before_chunk(usage_bytes=line, **kw)

@@ -1,6 +1,8 @@
-"""The pure policy: grading, hysteresis, emergency, grace, the relief ladder, properties.
+"""The pure tick: grading, the resume band, emergency, grace, the relief ladder, properties.
 
-Ceiling 20 GiB (custom tier on 64 GiB): soft 17, hard 19, band 0.4 GiB.
+Ceiling 20 GiB (custom tier on 64 GiB): soft 17, hard 19. The level is raw (seed
+fact 1: ok below soft, always); the opt-in resume band (`resume_band_fraction`)
+only delays ResumeAdmission.
 """
 
 from __future__ import annotations
@@ -11,42 +13,56 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memory.actions import (
+    REASON_DYNAMIC_CEILING,
     REASON_EMERGENCY_ALL,
     REASON_HARD_BUSY,
     REASON_PENDING_UNLOAD,
     REASON_POOL_RECLAIM,
+    REASON_SESSION_SHRINK,
     REASON_SHRINK_RECLAIM,
     REASON_SOFT_LRU,
     AbortRequests,
+    AdjustBatchCap,
     AdjustStoreCacheCap,
     ClearAuxCaches,
     EvictModel,
+    ExpireSessions,
     IdleReclaim,
     MarkPendingUnload,
+    PauseAdmission,
     PressureReclaim,
+    PropagateLimits,
+    ResumeAdmission,
     ShrinkSessionCache,
 )
 from memory.ceiling import compute_limits
 from memory.config import AbortOrder, MemoryConfig
-from memory.fakes import FakeEngine, FakeSessionTier, drive, make_world, readings
 from memory.levels import GIB, PressureLevel, Tier
-from memory.policy import (
+from memory.plans.admission import AdmissionRequest, Verdict
+from memory.plans.steps import Execute, Measure, Snapshot
+from memory.plans.tick import (
     Assessment,
-    Execute,
-    Measure,
     PolicyState,
     ReliefMemo,
-    Snapshot,
+    admission_action,
     assess,
-    grade_level,
     is_emergency,
     plan_relief,
     plan_session_shrink,
     pool_reclaim_wanted,
+    raw_level,
     select_requests,
     tick_plan,
 )
-from memory.views import EngineState, EngineView, RequestView
+from memory.views import EngineState, EngineView, QueueView, RequestView
+from tests.support.memory_fakes import (
+    FakeDesk,
+    FakeEngine,
+    FakeSessionTier,
+    drive,
+    make_world,
+    readings,
+)
 
 OK, SOFT, HARD, EMERGENCY = (
     PressureLevel.OK,
@@ -70,38 +86,91 @@ def soft(usage: float) -> Assessment:
     return Assessment(SOFT, SOFT, False, 0, g(usage))
 
 
-# -- hysteresis -------------------------------------------------------------------
+# -- the level is raw; the opt-in resume band delays only ResumeAdmission --------------
 
 
-def test_hysteresis_a_reading_hovering_at_the_soft_mark_does_not_flap():
-    level = OK
-    seen = []
-    for usage in [16.9, 17.0, 16.9, 17.05, 16.7, 16.61, 16.9, 17.0]:
-        level = grade_level(g(usage), LIMITS, level, CFG.hysteresis_fraction)
-        seen.append(level)
-    # Up at 17.0 immediately; down only below 17 - 0.4 = 16.6.
-    assert seen == [OK, SOFT, SOFT, SOFT, SOFT, SOFT, SOFT, SOFT]
-    assert grade_level(g(16.59), LIMITS, SOFT, CFG.hysteresis_fraction) is OK
+def test_the_level_is_raw_a_reading_hovering_at_the_soft_mark_flaps():
+    # Seed fact 1: ok below the soft mark, always. A hovering reading flaps each poll.
+    seen = [
+        assess(g(u), LIMITS, SOFT, 0, CFG, new_poll=True).level
+        for u in [16.9, 17.0, 16.9, 17.05, 16.7, 16.61, 16.9, 17.0]
+    ]
+    assert seen == [OK, SOFT, OK, SOFT, OK, OK, OK, SOFT]
+    assert raw_level(17 * GIB - 1, LIMITS) is OK and raw_level(17 * GIB, LIMITS) is SOFT
 
 
-def test_hysteresis_at_the_hard_mark_and_across_two_marks():
-    band = CFG.hysteresis_fraction
-    assert grade_level(g(19.0), LIMITS, SOFT, band) is HARD
-    assert grade_level(g(18.7), LIMITS, HARD, band) is HARD  # within 0.4 of 19
-    assert grade_level(g(18.5), LIMITS, HARD, band) is SOFT
-    assert grade_level(g(16.0), LIMITS, HARD, band) is OK  # both marks crossed with margin
-    assert grade_level(g(16.8), LIMITS, EMERGENCY, band) is SOFT  # emergency sits on hard
-    # Without hysteresis the same hover flaps at every sample.
-    flaps = [grade_level(g(u), LIMITS, OK, 0.0) for u in (17.0, 16.99, 17.0, 16.99)]
-    assert flaps == [SOFT, OK, SOFT, OK]
+def test_the_level_ignores_the_previous_level_at_both_marks():
+    for previous in PressureLevel:
+        assert assess(g(19.0), LIMITS, previous, 0, CFG, new_poll=True).level is HARD
+        assert assess(g(18.7), LIMITS, previous, 0, CFG, new_poll=True).level is SOFT
+        assert assess(g(16.99), LIMITS, previous, 0, CFG, new_poll=True).level is OK
+    # Emergency sits on hard; under the ceiling it is gone and the marks decide alone.
+    assert assess(g(16.8), LIMITS, EMERGENCY, 2, CFG, new_poll=True).level is OK
 
 
-async def test_hysteresis_end_to_end_one_transition_for_a_hovering_reading():
-    w = make_world(CFG, readings(17.0), [FakeEngine("p", pinned=True)])
+async def test_end_to_end_a_hovering_reading_flaps_and_pauses_and_resumes_each_time():
+    w = make_world(CFG, readings(17.0), [FakeEngine("p", pinned=True)], desk=FakeDesk())
     for usage in [17.0, 16.8, 17.1, 16.7, 17.0, 16.65]:
         w.set_usage(usage)
         await w.tick()
-    assert [(t.from_level, t.to_level) for t in w.sink.transitions] == [(OK, SOFT)]
+    assert [(t.from_level, t.to_level) for t in w.sink.transitions] == [(OK, SOFT), (SOFT, OK)] * 3
+    assert w.desk is not None and w.desk.paused == [SOFT, None] * 3  # default band 0
+
+
+def test_admission_action_resumes_at_ok_unless_inside_the_opt_in_band():
+    assert admission_action(SOFT, False) == PauseAdmission(SOFT)
+    assert admission_action(SOFT, True) is None
+    assert admission_action(OK, True, g(16.9), LIMITS) == ResumeAdmission(OK)  # band 0
+    band = 0.02  # 0.4 GiB of the 20 GiB ceiling: resume below 16.6 GiB
+    assert admission_action(OK, True, g(16.61), LIMITS, band) is None
+    assert admission_action(OK, True, g(16.59), LIMITS, band) == ResumeAdmission(OK)
+    assert admission_action(OK, False, g(16.61), LIMITS, band) is None
+
+
+async def test_resume_band_the_level_goes_ok_at_once_but_admission_waits():
+    cfg = CFG.replace(resume_band_fraction=0.02)
+    w = make_world(cfg, readings(17.0), [FakeEngine("p", pinned=True)], desk=FakeDesk())
+    r = await w.tick()
+    assert (r.level, w.governor.admission_paused) == (SOFT, True)
+    for usage in (16.9, 16.7, 16.61):  # ok at once, still inside soft - 0.4 GiB
+        w.set_usage(usage)
+        r = await w.tick()
+        assert r.level is OK and r.actions_of(ResumeAdmission) == []
+        assert w.governor.admission_paused and r.state.admission_paused
+    assert [(t.from_level, t.to_level) for t in w.sink.transitions] == [(OK, SOFT), (SOFT, OK)]
+    w.set_usage(16.59)
+    r = await w.tick()
+    assert r.actions_of(ResumeAdmission) == [ResumeAdmission(OK)]
+    assert not w.governor.admission_paused
+    assert w.desk is not None and w.desk.paused == [SOFT, None]
+    assert len(w.sink.transitions) == 2  # the resume is not a transition
+
+
+async def test_resume_band_default_zero_resumes_on_the_first_ok_tick():
+    w = make_world(CFG, readings(17.0), [FakeEngine("p", pinned=True)])
+    await w.tick()
+    w.set_usage(16.99)
+    r = await w.tick()
+    assert (r.level, r.actions_of(ResumeAdmission)) == (OK, [ResumeAdmission(OK)])
+    assert not w.governor.admission_paused
+
+
+async def test_in_the_resume_band_admit_predicts_what_the_paused_queue_does():
+    """Admit (a preview) must say what Generate would do: inside the resume band the
+    queue is still paused, so a second request waits."""
+    cfg = CFG.replace(resume_band_fraction=0.02)
+    desk = FakeDesk()
+    w = make_world(cfg, readings(17.0), [FakeEngine("p", pinned=True)], desk=desk)
+    await w.tick()
+    w.set_usage(16.7)
+    await w.tick()
+    assert (w.governor.level, w.governor.admission_paused, desk.paused) == (OK, True, [SOFT])
+    desk.queue = QueueView(in_flight=1, waiting=0)
+    request = AdmissionRequest(model="p", prompt_tokens=(1, 2, 3), max_tokens=1,
+                               kv_bytes_per_token=1)
+    result = await w.governor.admit(request, preview=True)
+    assert result is not None
+    assert (result.verdict, result.binding) == (Verdict.WAIT, "paused_at_soft")
 
 
 # -- emergency --------------------------------------------------------------------
@@ -174,7 +243,7 @@ async def test_grace_counter_stops_at_the_configured_maximum():
     w = make_world(cfg, readings(18, pool_gib=5), [FakeEngine("p", pinned=True)])
     deferred = [(await w.tick()).deferred for _ in range(4)]
     assert deferred == [True, True, False, False]
-    assert w.enforcer.state.grace_polls == 2
+    assert w.governor.state.grace_polls == 2
 
 
 async def test_shrink_freed_references_are_remembered_until_an_engine_accepts():
@@ -204,10 +273,13 @@ async def test_shrink_protects_active_entries():
     tier = FakeSessionTier(4 * GIB, active_bytes=3 * GIB)
     w = make_world(CFG, readings(19.5), [FakeEngine("p", pinned=True)], tier=tier)
     r = await w.tick()
-    assert tier.calls == [(g(1.5), True)]
+    # The hard shrink toward soft, then the bank's dynamic ceiling in the upkeep:
+    # 20 - 3 (reserve) - 16.5 (working set: 19.5 - the 3 GiB bank) -> its 1 GiB floor.
+    assert tier.calls == [(g(1.5), True, REASON_SESSION_SHRINK),
+                          (GIB, True, REASON_DYNAMIC_CEILING)]
     assert tier.bytes_held == 3 * GIB  # the active 3 GiB stay
     shrink = [o for o in r.outcomes if isinstance(o.action, ShrinkSessionCache)]
-    assert (shrink[0].entries, shrink[0].bytes_freed) == (1, GIB)
+    assert [(o.entries, o.bytes_freed) for o in shrink] == [(1, GIB), (0, 0)]
 
 
 # -- the relief ladder ---------------------------------------------------------------
@@ -264,14 +336,15 @@ async def test_a_lower_fresh_reading_after_evictions_is_believed():
     r = await w.tick()
     assert [e.model_id for e in r.actions_of(EvictModel)] == ["a"]
     assert r.actions_of(AbortRequests) == []
-    assert r.level is SOFT
+    assert r.level is OK  # 16.8 < soft 17: ok at once (seed fact 1, no hysteresis)
+    assert r.actions_of(ResumeAdmission) == [ResumeAdmission(OK)]
 
 
 async def test_evictions_that_fall_short_escalate_to_the_busy_victim_after_remeasuring():
     a = FakeEngine("a", last_used=1, measured_bytes=GIB)
     x = FakeEngine("x", last_used=0, active_requests=1, requests=(RequestView("r", 0.0),))
     w = make_world(CFG, readings(19.5), [a, x])
-    w.pool.on_unload = lambda model: w.set_usage(18.8)  # still hard (18.6 with the band)
+    w.pool.on_unload = lambda model: w.set_usage(19.2)  # still at or above the hard mark
     r = await w.tick()
     assert [type(o).__name__ for o in r.actions if isinstance(o, EvictModel | AbortRequests)] == [
         "EvictModel",
@@ -286,7 +359,7 @@ def test_pending_unload_goes_first_even_at_soft():
         view("old", last_used=5, measured_bytes=g(0.5), pending_unload=True),
     ]
     plan = plan_relief(g(18), LIMITS, soft(18), engines, CFG)
-    assert plan.actions == (EvictModel("old", REASON_PENDING_UNLOAD, True, g(0.5)),)
+    assert plan.actions == (EvictModel("old", REASON_PENDING_UNLOAD, g(0.5)),)
 
 
 def test_soft_never_evicts_the_last_non_pinned_model_but_hard_does():
@@ -300,7 +373,7 @@ def test_soft_never_evicts_the_last_non_pinned_model_but_hard_does():
 def test_soft_counts_busy_non_pinned_models_as_loaded():
     engines = [view("a", measured_bytes=g(1)), view("busy", active_requests=1)]
     plan = plan_relief(g(18), LIMITS, soft(18), engines, CFG)
-    assert plan.actions == (EvictModel("a", REASON_SOFT_LRU, True, g(1)),)
+    assert plan.actions == (EvictModel("a", REASON_SOFT_LRU, g(1)),)
 
 
 def test_busy_victim_is_the_least_recently_used_busy_non_pinned_model():
@@ -408,12 +481,13 @@ def test_graded_emergency_across_pinned_engines():
 # -- the generator itself ----------------------------------------------------------------
 
 
-def test_tick_plan_steps_for_an_ok_tick_measure_once_then_walk_caps():
+def test_tick_plan_steps_for_an_ok_tick_measure_once_then_walk_caps_and_propagate():
     snap = Snapshot(readings(5), (view("a", max_num_seqs=4),))
     driven = drive(tick_plan(PolicyState(), CFG, now=7.0), [snap])
     assert driven.steps == [
         Measure("poll"),
-        Execute((AdjustStoreCacheCap("a", OK),)),
+        Execute((AdjustStoreCacheCap("a", OK), AdjustBatchCap("a", OK))),
+        Execute((PropagateLimits(20 * GIB, 20 * GIB, 0, Tier.CUSTOM),)),
     ]
     assert driven.result.level is OK and driven.result.measurements == 1
 
@@ -433,18 +507,35 @@ def test_tick_plan_steps_for_a_soft_tick_with_scripted_snapshots():
         ["PauseAdmission", "Transition"],
         ["EvictModel"],
         "after_relief",
-        ["AdjustStoreCacheCap"],  # a is gone: only b's cap walks
+        ["AdjustStoreCacheCap", "AdjustBatchCap"],  # a is gone: only b's caps walk
+        ["PropagateLimits"],
     ]
     assert driven.result.transitions[0].at == 1.0
 
 
 def test_disabled_enforcer_measures_but_never_acts():
     cfg = CFG.replace(enabled=False)
-    snap = Snapshot(readings(30), (view("a", measured_bytes=g(5)),), session_bytes=g(4))
+    snap = Snapshot(readings(30), (view("a", measured_bytes=g(5)),))
     driven = drive(tick_plan(PolicyState(), cfg, now=0.0), [snap])
     assert driven.result.level is OK
-    assert [type(a) for a in driven.result.actions] == [AdjustStoreCacheCap]
+    # Caps recover toward max_num_seqs; no limits are handed out (no pre-prefill checks).
+    assert [type(a) for a in driven.result.actions] == [AdjustStoreCacheCap, AdjustBatchCap]
     assert driven.result.limits.ceiling_bytes == g(20)
+
+
+def test_disabled_enforcer_never_shrinks_the_session_bank_but_keeps_the_idle_ttl():
+    cfg = CFG.replace(enabled=False)
+    engines = (view("a", measured_bytes=g(5)),)
+    for os_pressure in (None, "critical"):
+        snap = Snapshot(readings(30, os_pressure=os_pressure), engines, session_bytes=g(4),
+                        bank_max_bytes=g(48))
+        driven = drive(tick_plan(PolicyState(), cfg, now=0.0), [snap])
+        assert driven.result.actions_of(ShrinkSessionCache) == []
+        assert driven.result.actions_of(PressureReclaim) == []
+    expired = Snapshot(readings(30), engines, session_bytes=g(4), bank_max_bytes=g(48),
+                       sessions_expired=2)
+    driven = drive(tick_plan(PolicyState(), cfg, now=0.0), [expired])
+    assert driven.result.actions_of(ExpireSessions) == [ExpireSessions()]  # housekeeping
 
 
 def test_ok_tick_clears_nothing_and_resumes_admission():
@@ -453,7 +544,8 @@ def test_ok_tick_clears_nothing_and_resumes_admission():
     r = driven.result
     assert ClearAuxCaches() not in r.actions
     assert r.state == PolicyState(level=OK)
-    assert [type(a).__name__ for a in r.actions] == ["ResumeAdmission", "Transition"]
+    assert [type(a).__name__ for a in r.actions] == [
+        "ResumeAdmission", "Transition", "PropagateLimits"]
 
 
 # -- properties ----------------------------------------------------------------------------
@@ -464,11 +556,26 @@ def test_ok_tick_clears_nothing_and_resumes_admission():
     u1=st.integers(0, 40 * GIB),
     u2=st.integers(0, 40 * GIB),
     previous=st.sampled_from(list(PressureLevel)),
-    band=st.sampled_from([0.0, 0.02, 0.1]),
+    polls=st.integers(0, 3),
 )
-def test_property_level_is_monotonic_in_usage(u1, u2, previous, band):
+def test_property_level_is_monotonic_in_usage(u1, u2, previous, polls):
     lo, hi = sorted((u1, u2))
-    assert grade_level(lo, LIMITS, previous, band) <= grade_level(hi, LIMITS, previous, band)
+    a_lo = assess(lo, LIMITS, previous, polls, CFG, new_poll=True)
+    a_hi = assess(hi, LIMITS, previous, polls, CFG, new_poll=True)
+    assert a_lo.level <= a_hi.level
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    usage=st.integers(0, 40 * GIB),
+    p1=st.sampled_from(list(PressureLevel)),
+    p2=st.sampled_from(list(PressureLevel)),
+)
+def test_property_the_base_level_depends_on_usage_alone(usage, p1, p2):
+    a1 = assess(usage, LIMITS, p1, 0, CFG, new_poll=False)
+    a2 = assess(usage, LIMITS, p2, 0, CFG, new_poll=False)
+    assert a1.base_level == a2.base_level
+    assert (a1.level is OK) == (usage < LIMITS.soft_bytes)
 
 
 engine_views = st.builds(

@@ -1,4 +1,8 @@
-"""Readings: the real machine, fake /proc and cgroup trees (v1 and v2), PSI, MLX samples."""
+"""Readings: the real machine, fake /proc and cgroup trees (v1 and v2), PSI, MLX samples.
+
+The reader never calls MLX: MLX figures come from an engine thread's `MlxFigures`
+sample, handed to `read()`; without one the MLX terms are unavailable (None).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import pytest
 from memory.readings import (
     UNLIMITED_THRESHOLD_BYTES,
     MemoryReader,
+    MlxFigures,
     discover_cgroup,
     is_unlimited,
     parse_psi,
@@ -20,6 +25,7 @@ from memory.readings import (
 
 GIB = 1 << 30
 V1_UNLIMITED = 9223372036854771712
+ZERO = MlxFigures(0, 0, at=0.0)
 PSI_QUIET = "some avg10=0.00 avg60=0.00 avg300=0.00 total=0\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
 
 
@@ -33,7 +39,7 @@ def test_reader_on_this_machine_returns_sane_values_and_sources():
     assert r.system_total_bytes == total
     assert 0 < r.footprint_bytes < total
     assert r.process_bytes == max(r.mlx_active_bytes or 0, r.footprint_bytes)
-    assert r.mlx_active_bytes is not None and r.mlx_pool_bytes is not None
+    assert (r.mlx_active_bytes, r.mlx_pool_bytes) == (None, None)  # no engine sample
     assert 0 < r.system_available_bytes <= total
     for key in ("mlx", "footprint", "system_available", "process", "system_total"):
         assert key in r.sources, key
@@ -68,10 +74,11 @@ def test_read_memory_and_cost_of_a_read():
     r = read_memory()
     assert r.process_bytes > 0
     reader = MemoryReader(probe_device=False)
-    reader.read(lambda: (1, 2))
+    sample = MlxFigures(1, 2, at=0.0)
+    reader.read(sample)
     start = time.perf_counter()
     for _ in range(200):
-        reader.read(lambda: (1, 2))
+        reader.read(sample)
     per_read = (time.perf_counter() - start) / 200
     assert per_read < 0.002  # cheap: cached file descriptors, no discovery
 
@@ -79,9 +86,16 @@ def test_read_memory_and_cost_of_a_read():
 # -- MLX samples ---------------------------------------------------------------------------
 
 
-def test_an_engine_sample_is_used_and_a_missing_one_is_not_guessed():
+def test_an_engine_sample_is_used_and_a_missing_one_is_not_guessed(monkeypatch):
+    import mlx.core as mx
+
+    def forbidden() -> int:
+        raise AssertionError("the reader called MLX")
+
+    monkeypatch.setattr(mx, "get_active_memory", forbidden)
+    monkeypatch.setattr(mx, "get_cache_memory", forbidden)
     reader = MemoryReader(probe_device=False)
-    r = reader.read(lambda: (100 * GIB, 3 * GIB))
+    r = reader.read(MlxFigures(100 * GIB, 3 * GIB, at=0.0))
     assert (r.mlx_active_bytes, r.mlx_pool_bytes, r.process_bytes) == (
         100 * GIB,
         3 * GIB,
@@ -89,16 +103,14 @@ def test_an_engine_sample_is_used_and_a_missing_one_is_not_guessed():
     )
     assert r.sources["mlx"] == "engine thread sample"
 
-    r = reader.read(lambda: None)
+    r = reader.read(None)
     assert (r.mlx_active_bytes, r.mlx_pool_bytes) == (None, None)
     assert r.process_bytes == r.footprint_bytes
     assert r.sources["mlx"].startswith("unavailable")
+    assert r.pool_bytes == 0  # an unknown pool never defers work
 
-    def broken() -> tuple[int, int]:
-        raise RuntimeError("engine gone")
-
-    r = reader.read(broken)
-    assert r.mlx_active_bytes is None and r.pool_bytes == 0
+    r = reader.read(MlxFigures(0, 0, at=0.0))  # a small active figure: footprint binds
+    assert r.process_bytes == r.footprint_bytes and r.mlx_active_bytes == 0
 
 
 # -- fake /proc and cgroup trees ---------------------------------------------------------------
@@ -145,7 +157,7 @@ def test_cgroup_v1_parent_limit_binds_and_unlimited_is_skipped(tmp_path):
         str(mount / "svc"),
         str(mount),
     ]
-    r = reader.read(lambda: (0, 0))
+    r = reader.read(ZERO)
     assert (r.container_limit_bytes, r.container_usage_bytes) == (2 * GIB, GIB)
     assert r.sources["container"] == str(mount / "svc" / "memory.limit_in_bytes")
     assert r.footprint_bytes == 2560 * os.sysconf("SC_PAGE_SIZE")
@@ -155,7 +167,7 @@ def test_cgroup_v1_parent_limit_binds_and_unlimited_is_skipped(tmp_path):
 
     # The limit is re-read every tick: an operator can lower it live.
     (mount / "svc" / "memory.limit_in_bytes").write_text(f"{GIB}\n")
-    assert reader.read(lambda: (0, 0)).container_limit_bytes == GIB
+    assert reader.read(ZERO).container_limit_bytes == GIB
 
 
 def test_cgroup_v1_with_a_container_root_mount(tmp_path):
@@ -169,7 +181,7 @@ def test_cgroup_v1_with_a_container_root_mount(tmp_path):
     )
     reader = MemoryReader(proc_root=str(proc), probe_device=False)
     assert reader.cgroup.own_directory == str(mount)
-    assert reader.read(lambda: (0, 0)).container_limit_bytes == 3 * GIB
+    assert reader.read(ZERO).container_limit_bytes == 3 * GIB
 
 
 def test_cgroup_v2_limit_usage_and_own_pressure_file(tmp_path):
@@ -192,7 +204,7 @@ def test_cgroup_v2_limit_usage_and_own_pressure_file(tmp_path):
     )
     reader = MemoryReader(proc_root=str(proc), probe_device=False)
     assert reader.cgroup.version == 2
-    r = reader.read(lambda: (0, 0))
+    r = reader.read(ZERO)
     assert (r.container_limit_bytes, r.container_usage_bytes) == (4 * GIB, 2 * GIB)
     assert r.os_pressure == "warning"
     assert r.sources["os_pressure"].startswith("cgroup memory.pressure")
@@ -203,7 +215,7 @@ def test_no_cgroup_and_no_psi_are_none_not_guesses(tmp_path):
     reader = MemoryReader(
         proc_root=str(proc), cgroup_root=str(tmp_path / "none"), probe_device=False
     )
-    r = reader.read(lambda: (0, 0))
+    r = reader.read(ZERO)
     assert reader.cgroup is None
     assert (r.container_limit_bytes, r.container_usage_bytes, r.os_pressure) == (None, None, None)
     assert "container" not in r.sources and "os_pressure" not in r.sources

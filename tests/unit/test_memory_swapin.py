@@ -2,6 +2,7 @@
 
 from memory.readings import (
     MemoryReader,
+    MlxFigures,
     parse_swapins,
     swapin_pressure,
     worse,
@@ -46,6 +47,6 @@ def test_swapin_rate_from_two_readings(tmp_path, monkeypatch):
 
 def test_real_reader_reports_a_level():
     r = MemoryReader()
-    r.read(lambda: (0, 0))
-    second = r.read(lambda: (0, 0))
+    r.read(MlxFigures(0, 0, at=0.0))
+    second = r.read(None)
     assert second.os_pressure in ("normal", "warning", "critical")

@@ -1,4 +1,8 @@
-"""SessionBank: put (supersede, retention, caps), lookup, TTL, drop, listing, stats."""
+"""SessionBank: put (supersede, retention, caps), lookup, TTL, drop, listing, stats, spans.
+
+The bank opens a SPAN_BANK_EVICT only for evictions it makes on its own (caps,
+retention, supersede, drops); shrinks and expiry are the governor's to record.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ from sessions.bank import (
     REASON_CAP_BYTES,
     REASON_CAP_ENTRIES,
     REASON_CAP_SESSION_BYTES,
+    REASON_DROPPED,
     REASON_IDLE_TTL,
+    REASON_REMOVED,
     REASON_SESSION_RETENTION,
     REASON_SUPERSEDED,
     REFUSED_EXCEEDS_MAX_BYTES,
@@ -18,7 +24,9 @@ from sessions.bank import (
     SessionBank,
     SessionEntry,
 )
-from sessions.testing import FakeClock, make_entry
+from telemetry import names
+from tests.support.clock import FakeClock
+from tests.support.sessions import SpanRecorder, make_entry
 
 
 def mk(clock=None, active=(), **kw):
@@ -61,6 +69,7 @@ def test_put_stamps_clock_and_counts_live_ref_bytes_honestly():
     bank, _ = mk(clock)
     r = bank.put(make_entry([1, 2], 700, "s", live_ref=True))
     assert r.stored and bank.total_bytes() == 700 and bank.session_bytes("s") == 700
+    assert bank.total_nbytes == 700  # the seed's name for total_bytes()
     (e,) = bank.entries()
     assert e.created_at == e.last_access == 50.0 and e.live_ref
 
@@ -236,12 +245,37 @@ def test_expire_idle_default_3600s_spares_active_sessions():
     assert keys(bank) == [("fresh", (3,)), ("live", (2,))]
 
 
-def test_expire_idle_runs_lazily_on_lookup_too():
+def test_lookup_does_not_expire_lazily_the_governor_tick_does():
+    # Inverted: a lookup used to expire entries past the TTL on the way. Expiry is now
+    # the governor's (ExpireSessions on its tick, told by expired_count()), so an entry
+    # past its TTL but not yet expired is still a restore source, and the hit refreshes it.
     clock = FakeClock(0.0)
-    bank, _ = mk(clock)
+    bank, evicted = mk(clock)
     bank.put(make_entry([1], 10, "s"))
     clock.set(4000.0)
-    assert bank.longest_prefix("m", [1, 2]) is None and bank.entry_count() == 0
+    assert bank.expired_count() == 1
+    e = bank.longest_prefix("m", [1, 2])
+    assert e is not None and e.last_access == 4000.0 and evicted == []
+    assert bank.expired_count() == 0 and bank.expire_idle() == 0
+
+
+def test_expired_count_is_read_only_and_spares_active_sessions():
+    clock = FakeClock(0.0)
+    bank, evicted = mk(clock, active={"live"})
+    bank.put(make_entry([1], 10, "idle"))
+    bank.put(make_entry([2], 10, "live"))
+    clock.advance(1800)
+    bank.put(make_entry([3], 10, "fresh"))
+    assert bank.expired_count(3599.0) == 0
+    assert bank.expired_count(3600.0) == 1  # the active session's entry is not counted
+    assert bank.expired_count(5400.0) == 2
+    clock.set(5400.0)
+    assert bank.expired_count() == 2 and bank.entry_count() == 3 and evicted == []
+    assert bank.expire_idle() == 2
+    bank2, _ = mk(clock, idle_ttl_s=None)
+    bank2.put(make_entry([1], 10, "s"))
+    clock.set(1e9)
+    assert bank2.expired_count() == 0 and bank2.expire_idle() == 0
 
 
 def test_touch_refreshes_ttl():
@@ -339,3 +373,85 @@ def test_concurrent_put_lookup_and_shrink_keep_accounting_consistent():
     threads[1].join(timeout=20)
     assert not errors
     check_invariants(bank)
+
+
+# -- spans: only the bank's own evictions ---------------------------------------------------------
+
+
+def evict_spans(rec):
+    return [(s.attributes[names.ATTR_REASON], s.attributes[names.ATTR_ENTRIES_EVICTED],
+             s.attributes[names.ATTR_BYTES_FREED]) for s in rec.spans(names.SPAN_BANK_EVICT)]
+
+
+def test_put_time_evictions_open_one_span_per_reason():
+    rec = SpanRecorder()
+    clock = FakeClock()
+    bank = SessionBank(clock=clock, max_bytes=1000, per_session_max_entries=2, tracer=rec.tracer)
+    bank.put(make_entry([9], 300, "other"))
+    clock.advance(1)
+    bank.put(make_entry([1], 300, "s"))
+    clock.advance(1)
+    bank.put(make_entry([2], 300, "s"))
+    assert rec.spans() == []  # nothing evicted yet
+    clock.advance(1)
+    r = bank.put(make_entry([3], 500, "s"))  # retention takes s's [1], then 1100 > 1000
+    assert r.stored and r.evicted == 2
+    assert evict_spans(rec) == [(REASON_SESSION_RETENTION, 1, 300), (REASON_CAP_BYTES, 1, 300)]
+    assert {s.attributes[names.ATTR_MODEL] for s in rec.spans()} == {"m"}
+    assert [s.name for s in rec.spans()] == [names.SPAN_BANK_EVICT] * 2
+
+
+def test_supersede_and_entry_cap_spans():
+    rec = SpanRecorder()
+    clock = FakeClock()
+    bank = SessionBank(clock=clock, max_entries=2, tracer=rec.tracer)
+    bank.put(make_entry([1], 10, "s"))
+    bank.put(make_entry([1, 2], 20, "s"))
+    assert evict_spans(rec) == [(REASON_SUPERSEDED, 1, 10)]
+    rec.clear()
+    clock.advance(1)
+    bank.put(make_entry([5], 7, None))
+    clock.advance(1)
+    bank.put(make_entry([6], 8, None))
+    assert evict_spans(rec) == [(REASON_CAP_ENTRIES, 1, 20)]
+
+
+def test_drops_and_remove_open_one_span_each():
+    rec = SpanRecorder()
+    bank = SessionBank(clock=FakeClock(), tracer=rec.tracer)
+    bank.put(make_entry([1], 100, "s"))
+    bank.put(make_entry([2], 50, "s", model="m2"))
+    bank.put(make_entry([3], 7, "t"))
+    bank.put(make_entry([4], 9, "t", model="m2"))
+    assert bank.drop_session("s") == (2, 150)
+    (span,) = rec.spans(names.SPAN_BANK_EVICT)
+    assert evict_spans(rec) == [(REASON_DROPPED, 2, 150)]
+    assert names.ATTR_MODEL not in span.attributes  # two models: no single model to name
+    rec.clear()
+    assert bank.drop_model("m2") == (1, 9)
+    assert evict_spans(rec) == [(REASON_DROPPED, 1, 9)]
+    assert rec.spans()[0].attributes[names.ATTR_MODEL] == "m2"
+    rec.clear()
+    assert bank.drop_session("nope") == (0, 0) and rec.spans() == []
+    assert bank.remove("m", [3]) is not None
+    assert evict_spans(rec) == [(REASON_REMOVED, 1, 7)]
+
+
+def test_shrinks_and_expiry_open_no_span():
+    rec = SpanRecorder()
+    clock = FakeClock(0.0)
+    bank = SessionBank(clock=clock, active_sessions=lambda: {"live"}, tracer=rec.tracer,
+                       max_entries=100, per_session_max_entries=100)
+    for i in range(6):
+        bank.put(make_entry([i], 10, "live" if i == 0 else f"s{i}"))
+    assert bank.shrink_to_bytes(40, protect_active=True) == 2
+    assert bank.shrink_for_admission(20, protect_tokens=[9, 9], model="m") == (0, 2)
+    assert bank.shrink_for_admission(0, protect_active=True) == (0, 1)
+    clock.set(4000.0)
+    assert bank.expire_idle() == 0  # only the active session's entry is left
+    bank.put(make_entry([7], 10, "idle"))
+    clock.set(8000.0)
+    assert bank.expire_idle() == 1
+    assert rec.spans() == []
+    assert bank.stats().evictions == {"memory_pressure": 2, "prefill_admission_chain": 3,
+                                      REASON_IDLE_TTL: 1}

@@ -1,21 +1,43 @@
-"""The bank's dynamic ceiling (mtplx.md section 4) and hold_to_ceiling."""
+"""The bank's dynamic ceiling (mtplx.md section 4) and its plan, plan_hold_to_ceiling."""
 
 from __future__ import annotations
 
-from sessions.bank import SessionBank
-from sessions.ceiling import (
+import asyncio
+
+from memory.actions import REASON_DYNAMIC_CEILING, ShrinkMode, ShrinkSessionCache
+from memory.config import MemoryConfig
+from memory.executor import Executor
+from memory.plans.bank_ceiling import (
+    BASE_RESERVE_BYTES,
     DYNAMIC_CEILING_SLACK_BYTES,
+    MAX_BANK_IDLE_BYTES,
+    MAX_RESERVE_BYTES,
+    MIN_BANK_CEILING_BYTES,
     bank_dynamic_ceiling,
     bank_idle_max_bytes,
     dynamic_reserve_bytes,
-    hold_to_ceiling,
+    plan_hold_to_ceiling,
     working_set_bytes,
 )
-from sessions.testing import FakeClock, SpanRecorder, make_entry
-from telemetry import names
+from memory.plans.steps import Snapshot
+from memory.plans.tick import PolicyState, tick_plan
+from memory.readings import MemoryReadings
+from memory.views import EngineView
+from sessions.bank import SessionBank
+from tests.support.clock import FakeClock
+from tests.support.plans import drive
+from tests.support.sessions import SpanRecorder, make_entry
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+
+def test_constants():
+    got = {"min": MIN_BANK_CEILING_BYTES, "idle_max": MAX_BANK_IDLE_BYTES,
+           "reserve": BASE_RESERVE_BYTES, "max_reserve": MAX_RESERVE_BYTES,
+           "slack": DYNAMIC_CEILING_SLACK_BYTES}
+    assert got == {"min": 1 * GiB, "idle_max": 48 * GiB, "reserve": 3 * GiB,
+                   "max_reserve": 16 * GiB, "slack": 256 * MiB}
 
 
 def test_bank_idle_max_clamped_1_to_48_gib():
@@ -45,36 +67,81 @@ def test_dynamic_ceiling_examples():
     assert bank_dynamic_ceiling(64 * GiB, 20 * GiB, 0, reserve_bytes=0) == 41 * GiB
 
 
-def bank_400s(rec):
+def hold(target: int) -> ShrinkSessionCache:
+    return ShrinkSessionCache(target_bytes=target, protect_active=True,
+                              reason=REASON_DYNAMIC_CEILING, mode=ShrinkMode.TO_BYTES)
+
+
+def test_plan_hold_to_ceiling_shrinks_to_the_ceiling_protecting_active():
+    assert plan_hold_to_ceiling(1200, 0, slack_bytes=0) == hold(0)
+    assert plan_hold_to_ceiling(1200, 1199, slack_bytes=0) == hold(1199)
+    assert plan_hold_to_ceiling(1200, 1200, slack_bytes=0) is None
+
+
+def test_plan_hold_to_ceiling_slack_256mib():
+    assert plan_hold_to_ceiling(1200, 1000, slack_bytes=200) is None  # 1200 <= 1000 + 200
+    assert plan_hold_to_ceiling(1200, 999, slack_bytes=200) == hold(999)
+    assert plan_hold_to_ceiling(800, 0) is None  # well within the default slack
+    assert plan_hold_to_ceiling(GiB + 256 * MiB, GiB) is None
+    assert plan_hold_to_ceiling(GiB + 256 * MiB + 1, GiB) == hold(GiB)
+
+
+class NoEngines:
+    def handles(self):
+        return []
+
+    def eviction_blocker(self, model_id):
+        return "not loaded"
+
+    async def unload(self, model_id, reason):
+        raise LookupError(model_id)
+
+    def mark_pending_unload(self, model_id, reason):
+        raise LookupError(model_id)
+
+
+def test_hold_performed_on_a_real_bank_keeps_active_entries_above_target():
+    rec = SpanRecorder()
     bank = SessionBank(clock=FakeClock(), active_sessions=lambda: {"live"}, tracer=rec.tracer)
     bank.put(make_entry([1], 400, "live"))
     bank.put(make_entry([2], 400, "live"))
     bank.put(make_entry([3], 400, "idle"))
-    return bank
+    action = plan_hold_to_ceiling(bank.total_bytes(), 0, slack_bytes=0)
+    out = asyncio.run(Executor(reader=None, pool=NoEngines(), bank=bank).perform(action))
+    assert (out.entries, out.bytes_freed) == (1, 400) and out.done
+    assert bank.total_bytes() == 800 and sorted(e.tokens for e in bank.entries()) == [(1,), (2,)]
+    assert bank.stats().evictions == {REASON_DYNAMIC_CEILING: 1}
+    assert rec.spans() == []  # the governor records the shrink, not the bank
 
 
-def test_hold_to_ceiling_keeps_active_entries_above_target():
-    rec = SpanRecorder()
-    bank = bank_400s(rec)
-    assert hold_to_ceiling(bank, 0, slack_bytes=0) == 1
-    assert bank.total_bytes() == 800 and bank.effective_max_bytes == 0
-    (span,) = rec.spans(names.SPAN_BANK_SHRINK)
-    assert span.attributes[names.ATTR_REASON] == "dynamic_ceiling"
+def tick_snap(*, bank_max: int, session: int, usage: int, weights: int = 20 * GiB) -> Snapshot:
+    """64 GiB balanced: the ceiling is the static 58 GiB; one ready engine holds `weights`."""
+    return Snapshot(
+        readings=MemoryReadings(process_bytes=usage, system_total_bytes=64 * GiB),
+        engines=(EngineView("m", measured_bytes=weights),),
+        session_bytes=session, bank_max_bytes=bank_max,
+    )
 
 
-def test_hold_to_ceiling_slack_256mib():
-    slack = DYNAMIC_CEILING_SLACK_BYTES
-    assert slack == 256 * MiB
-    rec = SpanRecorder()
-    bank = bank_400s(rec)
-    assert hold_to_ceiling(bank, 1000, slack_bytes=200) == 0  # 1200 <= 1000 + 200
-    assert hold_to_ceiling(bank, 999, slack_bytes=200) == 1 and bank.total_bytes() == 800
-    assert hold_to_ceiling(bank, 0) == 0  # 800 bytes are well within the default slack
+def holds(driven):
+    return [a for a in driven.actions if isinstance(a, ShrinkSessionCache)]
 
 
-def test_effective_max_is_min_of_static_and_dynamic():
-    bank = SessionBank(clock=FakeClock(), max_bytes=10 * GiB)
-    hold_to_ceiling(bank, 37 * GiB)
-    assert bank.effective_max_bytes == 10 * GiB
-    hold_to_ceiling(bank, 3 * GiB)
-    assert bank.effective_max_bytes == 3 * GiB
+def test_tick_budget_is_the_min_of_the_static_cap_and_the_dynamic_ceiling():
+    # usage 30, weights 20, bank 6: working set 4, dynamic 58 - 20 - 3 - 4 = 31 > cap 10.
+    d = drive(tick_plan(PolicyState(), MemoryConfig(), 0.0),
+              [tick_snap(bank_max=10 * GiB, session=6 * GiB, usage=30 * GiB)])
+    assert d.result.state.bank_ceiling_bytes == 10 * GiB and holds(d) == []
+    # usage 50: working set 24, dynamic 58 - 20 - 3 - 24 = 11 < cap 64.
+    d = drive(tick_plan(PolicyState(), MemoryConfig(), 0.0),
+              [tick_snap(bank_max=64 * GiB, session=6 * GiB, usage=50 * GiB)])
+    assert d.result.state.bank_ceiling_bytes == 11 * GiB and holds(d) == []
+
+
+def test_tick_holds_a_bank_over_its_budget_by_more_than_the_slack():
+    d = drive(tick_plan(PolicyState(), MemoryConfig(), 0.0),
+              [tick_snap(bank_max=10 * GiB, session=11 * GiB, usage=30 * GiB)])
+    assert holds(d) == [hold(10 * GiB)]
+    d = drive(tick_plan(PolicyState(), MemoryConfig(), 0.0),
+              [tick_snap(bank_max=10 * GiB, session=10 * GiB + 256 * MiB, usage=30 * GiB)])
+    assert holds(d) == []

@@ -8,9 +8,11 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from sessions.bank import SessionBank
-from sessions.testing import FakeClock, make_entry
+from sessions.bank import REASON_CAP_ENTRIES, SessionBank
 from telemetry import names
+from telemetry.instruments import Instruments
+from tests.support.clock import FakeClock
+from tests.support.sessions import make_entry
 
 
 def collect(reader) -> dict[str, list]:
@@ -26,7 +28,7 @@ def test_bank_gauges_and_hit_miss_eviction_counters():
     reader = InMemoryMetricReader()
     meter = MeterProvider(metric_readers=[reader]).get_meter("test")
     clock = FakeClock()
-    bank = SessionBank(clock=clock, meter=meter)
+    bank = SessionBank(clock=clock, inst=Instruments(meter), max_entries=2)
     bank.put(make_entry([1, 2], 100, "s"))
     bank.put(make_entry([7], 20, None))
     clock.advance(1)
@@ -38,8 +40,29 @@ def test_bank_gauges_and_hit_miss_eviction_counters():
     assert got[names.METRIC_BANK_ENTRIES] == [({}, 1)]
     assert got[names.METRIC_BANK_HITS] == [({names.ATTR_MODEL: "m"}, 1)]
     assert got[names.METRIC_BANK_MISSES] == [({names.ATTR_MODEL: "m"}, 1)]
-    assert got[names.METRIC_EVICTIONS] == [({names.ATTR_REASON: "memory_pressure"}, 1)]
+    # A shrink is the governor's to count (memory.recording); the bank counts none.
+    assert names.METRIC_EVICTIONS not in got
     assert bank.stats().evictions == {"memory_pressure": 1}
+    # An eviction the bank makes on its own (a cap at put) it counts itself, by kind.
+    clock.advance(1)
+    bank.put(make_entry([3], 1, None))
+    bank.put(make_entry([4], 1, None))
+    got = collect(reader)
+    assert got[names.METRIC_EVICTIONS] == [
+        ({names.ATTR_REASON: REASON_CAP_ENTRIES, names.ATTR_EVICTION_KIND: "session_entry"}, 1)]
+    assert got[names.METRIC_BANK_ENTRIES] == [({}, 2)]
+    assert bank.stats().evictions == {"memory_pressure": 1, REASON_CAP_ENTRIES: 1}
+
+
+def test_two_banks_on_one_instruments_sum_their_gauges():
+    reader = InMemoryMetricReader()
+    inst = Instruments(MeterProvider(metric_readers=[reader]).get_meter("test"))
+    a, b = SessionBank(clock=FakeClock(), inst=inst), SessionBank(clock=FakeClock(), inst=inst)
+    a.put(make_entry([1], 30, None))
+    b.put(make_entry([1], 12, None))
+    got = collect(reader)
+    assert got[names.METRIC_BANK_BYTES] == [({}, 42)]
+    assert got[names.METRIC_BANK_ENTRIES] == [({}, 2)]
 
 
 def test_evicted_mlx_arrays_are_really_freed():

@@ -1,28 +1,63 @@
-"""Every fact of seeds/004 (MTPLX admission policies, five layers of defense) as a named test."""
+"""Every fact of seeds/004 (MTPLX admission policies, five layers of defense) as a named test.
+
+The layers are plans (memory.plans) that the governor runs; the bank only evicts.
+The cascade test runs the production order through Governor.tick() and
+Governor.admit() on a real SessionBank and the real Executor.
+"""
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
 
-from sessions.admission import (
+from memory.actions import (
+    REASON_ADMISSION_CHAIN,
+    REASON_DYNAMIC_CEILING,
+    REASON_OS_CRITICAL,
+    REASON_OS_WARNING,
+    REASON_PREFILL_ADMISSION,
+    ShrinkMode,
+    ShrinkSessionCache,
+)
+from memory.config import MemoryConfig
+from memory.executor import Executor
+from memory.governor import Governor
+from memory.levels import PressureLevel, Tier
+from memory.plans.admission import (
+    BINDING_HYPER_CAP,
     AdmissionInputs,
-    BankFigures,
+    AdmissionRequest,
+    AdmissionSettings,
     SchedulerMode,
-    ShedKind,
     Verdict,
-    bank_figures,
+    admission_plan,
     decide,
-    run_admission,
+    gate,
     validate_scheduler_settings,
 )
+from memory.plans.bank_ceiling import plan_hold_to_ceiling
+from memory.plans.os_guard import PressureGuard
+from memory.plans.steps import Snapshot
+from memory.plans.tick import PolicyState, tick_plan
+from memory.readings import MemoryReadings
+from memory.recording import Recorder
+from memory.views import BankFigures, QueueView
+from sessions.admission import AdmissionQueue, QueueOutcome
 from sessions.bank import SessionBank
-from sessions.pressure_guard import PressureGuard, apply_pressure_actions
-from sessions.testing import FakeClock, SpanRecorder, make_entry
 from telemetry import names
+from telemetry.instruments import Instruments
+from tests.support.clock import FakeClock
+from tests.support.plans import drive
+from tests.support.sessions import SpanRecorder, make_entry
 
 GiB = 1 << 30
+MiB = 1 << 20
+# Ceiling 19 GiB, threshold (the sustained-pressure limit, the hard mark) 16 GiB.
+CONFIG = MemoryConfig(tier=Tier.CUSTOM, custom_ceiling_gib=20, soft_fraction=0.7,
+                      hard_fraction=0.8)
 
 
 def bank_with(active=(), **kw):
@@ -32,15 +67,87 @@ def bank_with(active=(), **kw):
     return bank, clock
 
 
+def request_for(prompt) -> AdmissionRequest:
+    """One missed token and 3 to decode at 128 MiB each, plus the chunk's 4 rows: 1 GiB."""
+    return AdmissionRequest(model="m", prompt_tokens=tuple(prompt), max_tokens=3,
+                            kv_bytes_per_token=128 * MiB, attention_heads=0)
+
+
+class NoEngines:
+    def handles(self):
+        return []
+
+    def eviction_blocker(self, model_id):
+        return "not loaded"
+
+    async def unload(self, model_id, reason):
+        raise LookupError(model_id)
+
+    def mark_pending_unload(self, model_id, reason):
+        raise LookupError(model_id)
+
+
+class Process:
+    """Scripted readings: `other` plus whatever the bank holds, and the OS's report."""
+
+    def __init__(self, bank: SessionBank, other: int, os_pressure: str | None = None) -> None:
+        self.bank, self.other, self.os_pressure = bank, other, os_pressure
+
+    def read(self, mlx_sample=None) -> MemoryReadings:
+        return MemoryReadings(process_bytes=self.other + self.bank.total_bytes(),
+                              system_total_bytes=64 * GiB, mlx_pool_bytes=0,
+                              os_pressure=self.os_pressure)
+
+
+class Desk:
+    """The admission side: a queue view with `in_flight` admitted requests."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.paused: PressureLevel | None = None
+
+    def set_paused(self, level):
+        self.paused = level
+
+    def queue_view(self) -> QueueView:
+        return QueueView(in_flight=self.in_flight)
+
+    def reserved_bytes(self) -> int:
+        return 0
+
+    def pinned_sessions(self) -> tuple[str, ...]:
+        return ()
+
+
+def governed(bank: SessionBank, rec: SpanRecorder, other: int, **settings):
+    process, desk = Process(bank, other), Desk()
+    recorder = Recorder(inst=Instruments(MeterProvider().get_meter("t")), tracer=rec.tracer)
+    governor = Governor(CONFIG, Executor(process, NoEngines(), bank=bank, desk=desk),
+                        recorder=recorder, admission=AdmissionSettings(**settings))
+    return governor, process, desk
+
+
+def shrink_spans(rec):
+    return [(s.attributes[names.ATTR_REASON], s.attributes[names.ATTR_SHRINK_MODE],
+             s.attributes[names.ATTR_PROTECT_ACTIVE], s.attributes[names.ATTR_TARGET])
+            for s in rec.spans(names.SPAN_BANK_SHRINK)]
+
+
 # Layer 1: memory-pressure guard -------------------------------------------------------------
 
 
 def test_seed004_pressure_guard_responds_to_os_pressure_with_shrink_to_bytes():
-    bank, _ = bank_with()
-    bank.put(make_entry([1], GiB, "s"))
-    actions = PressureGuard().observe("warning", 0.0, budget_bytes=GiB)  # the OS starts swapping
-    (res,) = apply_pressure_actions(actions, bank)
-    assert res.action.target_bytes == GiB // 2 and res.entries_evicted == 1
+    # The OS starts swapping (macOS "warning"): the tick's guard shrinks the bank to half
+    # its budget with shrink_to_bytes, active sessions protected.
+    snap = Snapshot(readings=MemoryReadings(process_bytes=GiB, system_total_bytes=64 * GiB,
+                                            os_pressure="warning"),
+                    session_bytes=GiB, bank_max_bytes=GiB)
+    d = drive(tick_plan(PolicyState(), MemoryConfig(), 0.0), [snap])
+    assert [a for a in d.actions if isinstance(a, ShrinkSessionCache)] == [ShrinkSessionCache(
+        target_bytes=GiB // 2, protect_active=True, reason=REASON_OS_WARNING,
+        mode=ShrinkMode.TO_BYTES)]
+    (a,) = PressureGuard().observe("warning", 0.0, budget_bytes=GiB)
+    assert (a.target_bytes, a.protect_active) == (GiB // 2, True)
 
 
 def test_seed004_shrink_to_bytes_accepts_target_and_optional_protect_active():
@@ -63,23 +170,36 @@ def test_seed004_example_guard_2gib_returns_evicted_count():
     bank, _ = bank_with()
     for i in range(3):
         bank.put(make_entry([i], GiB, f"s{i}"))
-    evicted = bank.shrink_to_bytes(target_bytes=2 * GiB, protect_active=True)
+    # Target to keep the bank under 2 GiB
+    evicted = bank.shrink_to_bytes(target_bytes=2 * 1024**3, protect_active=True)
+    print(f"Evicted {evicted} entries to respect memory pressure")
     assert isinstance(evicted, int) and evicted == 1 and bank.total_bytes() == 2 * GiB
 
 
 # Layer 2: prefill admission shed ---------------------------------------------------------------
 
 
+def admission_snap(usage: int) -> Snapshot:
+    return Snapshot(readings=MemoryReadings(process_bytes=usage, system_total_bytes=64 * GiB),
+                    bank=BankFigures(total_bytes=3 * GiB, max_bytes=64 * GiB,
+                                     lru_freeable_bytes=GiB, restore_prefix_tokens=3))
+
+
 def test_seed004_prefill_shed_triggers_only_when_projection_exceeds_the_limit():
-    healthy = decide(AdmissionInputs(usage_bytes=GiB, ceiling_bytes=10 * GiB,
-                                     threshold_bytes=9 * GiB, prompt_tokens=1000,
-                                     kv_bytes_per_token=1024))
-    assert healthy.verdict is Verdict.ADMIT and healthy.shed == ()
-    over = decide(AdmissionInputs(usage_bytes=9 * GiB, ceiling_bytes=10 * GiB,
-                                  threshold_bytes=9 * GiB, prompt_tokens=1000,
-                                  kv_bytes_per_token=1024,
-                                  bank=BankFigures(3 * GiB, 0, 0, GiB, 1)))
-    assert [s.kind for s in over.shed] == [ShedKind.SHRINK_FOR_ADMISSION]
+    prompt = (3, 3, 3, 4)
+    healthy = drive(admission_plan(request_for(prompt), CONFIG, AdmissionSettings(),
+                                   PressureLevel.OK), [admission_snap(15 * GiB)])
+    assert healthy.result.verdict is Verdict.ADMIT and healthy.actions == []  # 16 <= 16
+    over = drive(admission_plan(request_for(prompt), CONFIG, AdmissionSettings(),
+                                PressureLevel.OK),
+                 [admission_snap(16 * GiB), admission_snap(16 * GiB)])
+    assert over.actions[0] == ShrinkSessionCache(
+        target_bytes=2 * GiB, protect_active=True, reason=REASON_PREFILL_ADMISSION,
+        mode=ShrinkMode.FOR_ADMISSION, protect_tokens=prompt, model="m")  # 3 - (17 - 16)
+    inputs = AdmissionInputs(usage_bytes=GiB, ceiling_bytes=10 * GiB, threshold_bytes=9 * GiB,
+                             prompt_tokens=1000, kv_bytes_per_token=1024)
+    assert not decide(inputs).needs_relief
+    assert decide(replace(inputs, usage_bytes=9 * GiB)).needs_relief
 
 
 def test_seed004_shrink_for_admission_removes_non_terminal_first_then_lru():
@@ -102,63 +222,55 @@ def test_seed004_protect_tokens_keep_entries_the_prompt_needs():
 def test_seed004_example_admission_shed_above_total_is_a_no_op():
     bank, _ = bank_with()
     bank.put(make_entry([123, 456], GiB, "s"))
+    # Assume the upcoming request needs 1 GiB more than the current budget
     non_term, term = bank.shrink_for_admission(
-        target_bytes=bank.total_bytes() + 1 * GiB, protect_tokens=[123, 456, 789],
+        target_bytes=bank.total_nbytes + 1 * 1024**3,
+        protect_tokens=[123, 456, 789],   # tokens that must stay intact
         reason="prefill_admission_chain",
     )
+    print(f"Admission shed removed {non_term} non-terminal and {term} terminal entries")
     assert (non_term, term) == (0, 0) and bank.entry_count() == 1
 
 
 # Layer 3: admission chain shed ---------------------------------------------------------------------
 
 
-def chain_case(chain_enabled: bool):
+@pytest.mark.parametrize("enabled", [True, False])
+async def test_seed004_chain_shed_flag_controls_shrink_for_admission(enabled):
+    rec = SpanRecorder()
     bank, clock = bank_with(active={"b"})
-    bank.put(make_entry([1], GiB, "a"))  # idle: the LRU pass
+    bank.put(make_entry([1], GiB, "a"))  # idle: the prefill shed takes it
     clock.advance(1)
     bank.put(make_entry([2], GiB, "b"))  # active non-terminal: only the chain shed
     clock.advance(1)
-    bank.put(make_entry([3, 3, 3], GiB, "b"))
-    prompt = [3, 3, 3, 4]
-    usage = [8 * GiB]
-
-    def on_evict_total():
-        return 5 * GiB + bank.total_bytes()
-
-    inputs = AdmissionInputs(usage_bytes=usage[0], ceiling_bytes=7 * GiB + GiB // 2,
-                             threshold_bytes=7 * GiB,
-                             prompt_tokens=4, reusable_prefix_tokens=3, kv_bytes_per_token=GiB,
-                             chain_shed_enabled=chain_enabled,
-                             bank=bank_figures(bank, "m", prompt))
-    return bank, prompt, inputs, on_evict_total
-
-
-@pytest.mark.parametrize("enabled", [True, False])
-def test_seed004_chain_shed_flag_controls_shrink_for_admission(enabled):
-    bank, prompt, inputs, measure = chain_case(enabled)
-    d = decide(inputs)
-    kinds = [s.kind for s in d.shed]
-    assert kinds[0] is ShedKind.SHRINK_TO_BYTES  # the standard LRU shed comes first
-    assert (ShedKind.SHRINK_FOR_ADMISSION in kinds) is enabled
-    out = run_admission(d, bank, lambda: 0, measure, model="m", prompt_tokens=prompt)
-    assert out.admitted is enabled
+    bank.put(make_entry([3, 3, 3], GiB, "b"))  # the prompt's restore source
+    # 17 + 3 = 20 GiB, + 1 GiB for the request = 21: over the 19 GiB ceiling.
+    governor, _, _ = governed(bank, rec, 17 * GiB, chain_shed=enabled)
+    r = await governor.admit(request_for([3, 3, 3, 4]))
+    assert r.admitted is enabled
     if enabled:
-        assert [s.kind for s in out.steps][1:] == kinds  # after the pool reclaim
+        # The prefill shed's target is 3 - (21 - 16) -> 0; the chain's the larger 2 - (20 - 19).
+        assert shrink_spans(rec) == [
+            (REASON_PREFILL_ADMISSION, "shrink_for_admission", True, 0),
+            (REASON_ADMISSION_CHAIN, "shrink_for_admission", False, GiB)]
         assert sorted(e.tokens for e in bank.entries()) == [(3, 3, 3)]
-    else:  # without the chain shed the LRU pass alone cannot reach the ceiling: refuse, keep all
-        assert d.verdict is Verdict.REJECT and bank.entry_count() == 3
+    else:  # without the chain shed every other relief together cannot reach the ceiling
+        assert r.verdict is Verdict.REJECT and r.tried == ()
+        assert bank.entry_count() == 3 and shrink_spans(rec) == []
 
 
 # Layer 4: hyper mode -------------------------------------------------------------------------------------
 
 
-def test_seed004_hyper_mode_caps_admission_at_exactly_one():
-    inputs = AdmissionInputs(usage_bytes=0, ceiling_bytes=GiB, threshold_bytes=GiB,
-                             prompt_tokens=1, kv_bytes_per_token=1,
-                             scheduler_mode=SchedulerMode.HYPER)
-    assert decide(inputs).verdict is Verdict.ADMIT
-    from dataclasses import replace
-    assert decide(replace(inputs, admitted_in_flight=1)).verdict is Verdict.WAIT
+async def test_seed004_hyper_mode_caps_admission_at_exactly_one():
+    assert gate(PressureLevel.OK, 0, mode=SchedulerMode.HYPER) is None
+    assert gate(PressureLevel.OK, 1, mode=SchedulerMode.HYPER) == (Verdict.WAIT,
+                                                                    BINDING_HYPER_CAP)
+    q = AdmissionQueue(mode=SchedulerMode.HYPER)
+    first = await q.acquire()
+    second = await q.acquire(0.01)
+    assert first.admitted and second.outcome is QueueOutcome.TIMEOUT and q.in_flight == 1
+    first.slot.release()
 
 
 def test_seed004_hyper_mode_rejects_multi_admission_launch_flags():
@@ -174,22 +286,49 @@ def test_seed004_dynamic_ceiling_tolerates_overage_when_only_active_entries_rema
     bank, _ = bank_with(active={"run"})
     bank.put(make_entry([1], 400, "run"))
     bank.put(make_entry([2], 400, "run"))
-    assert bank.shrink_to_bytes(0, protect_active=True) == 0 and bank.total_bytes() == 800
+    hold = plan_hold_to_ceiling(bank.total_bytes(), 0, slack_bytes=0)
+    assert hold == ShrinkSessionCache(0, protect_active=True, reason=REASON_DYNAMIC_CEILING)
+    assert bank.shrink_to_bytes(hold.target_bytes, protect_active=hold.protect_active) == 0
+    assert bank.total_bytes() == 800
 
 
 # Workflow cascade ---------------------------------------------------------------------------------------
 
 
-def test_seed004_cascade_order_and_spans():
+async def test_seed004_cascade_order_and_spans():
     rec = SpanRecorder()
     bank, clock = bank_with(active={"b"}, tracer=rec.tracer)
     bank.put(make_entry([1], GiB, "a"))
     bank.put(make_entry([2], GiB, "b"))
     bank.put(make_entry([3, 3], GiB, "b"))
-    # 1. system pressure -> shrink_to_bytes
-    apply_pressure_actions(PressureGuard().observe("critical", 0.0, budget_bytes=GiB), bank)
-    # 2./3. prefill projection -> shrink_for_admission, non-terminal first
-    assert bank.shrink_for_admission(GiB, protect_tokens=[3, 3, 9], model="m") == (1, 0)
-    assert [s.name for s in rec.spans()] == [names.SPAN_BANK_SHRINK,
-                                             names.SPAN_BANK_SHRINK_FOR_ADMISSION]
-    assert rec.spans()[0].attributes[names.ATTR_REASON] == "memory_pressure_critical"
+    governor, process, desk = governed(bank, rec, 2 * GiB)
+    # 1. system pressure (critical) -> shrink_to_bytes: global LRU eviction of idle sessions
+    process.os_pressure = "critical"
+    tick = await governor.tick()
+    assert tick.level is PressureLevel.OK and [e.session_id for e in bank.entries()] == ["b", "b"]
+    # The conversation goes on: c adds a terminal, then a newer non-terminal fork.
+    process.os_pressure = None
+    clock.advance(1)
+    bank.put(make_entry([5, 5], GiB, "c"))
+    clock.advance(1)
+    bank.put(make_entry([6], GiB, "c"))
+    # 2. prefill projection -> shrink_for_admission, non-terminal first (17 + 4 + 1 = 22);
+    # 3. the admission chain -> shrink_for_admission with the larger ceiling target.
+    process.other = 17 * GiB
+    r = await governor.admit(request_for([3, 3, 9]))
+    assert r.verdict is Verdict.ADMIT_AFTER_SHEDDING
+    assert [(o.non_terminal, o.terminal) for o in r.outcomes] == [(1, 1), (1, 0)]
+    assert [e.tokens for e in bank.entries()] == [(3, 3)]  # the restore source survives
+    assert shrink_spans(rec) == [
+        (REASON_OS_CRITICAL, "shrink_to_bytes", True, 0),
+        (REASON_PREFILL_ADMISSION, "shrink_for_admission", True, 0),
+        (REASON_ADMISSION_CHAIN, "shrink_for_admission", False, GiB)]
+    assert rec.spans(names.SPAN_BANK_EVICT) == []  # the bank opened none of its own
+    # 4. hyper mode overrides the rest: with one admitted, the next waits, nothing shed.
+    governor.admission_settings = AdmissionSettings(scheduler_mode=SchedulerMode.HYPER,
+                                                    admission_cap=1)
+    bank.put(make_entry([7], GiB, "d"))
+    desk.in_flight = 1
+    r = await governor.admit(request_for([3, 3, 9]))
+    assert r.verdict is Verdict.WAIT and r.binding == BINDING_HYPER_CAP
+    assert bank.entry_count() == 2 and len(shrink_spans(rec)) == 3

@@ -1,12 +1,18 @@
-"""shrink_to_bytes and shrink_for_admission: the MTPLX scenarios with exact bytes."""
+"""shrink_to_bytes and shrink_for_admission: the MTPLX scenarios with exact bytes.
+
+The shrinks open no span: the governor records each one (memory.recording), once.
+Their figures are the dry runs' (`plan_shrink_*`, `figures`, `preview_freed`).
+"""
 
 from __future__ import annotations
 
 import pytest
 
+from memory.actions import ShrinkMode
+from memory.views import BankFigures
 from sessions.bank import SessionBank
-from sessions.testing import FakeClock, SpanRecorder, make_entry
-from telemetry import names
+from tests.support.clock import FakeClock
+from tests.support.sessions import SpanRecorder, make_entry
 
 
 @pytest.fixture
@@ -81,17 +87,18 @@ def test_shrink_to_bytes_respects_protect_keys_and_session_ids(rec):
     assert n == 1 and remaining(bank) == [(1,), (2,)]
 
 
-def test_shrink_to_bytes_span_attributes(rec):
-    bank, _ = mk(rec, active={"live"})
+def test_shrink_to_bytes_opens_no_span_and_its_plan_has_the_figures(rec):
+    bank, log = mk(rec, active={"live"})
     bank.put(make_entry([1], 400, "live"))
     bank.put(make_entry([3], 400, "idle"))
-    bank.shrink_to_bytes(100, protect_active=True, reason="dynamic_ceiling",
-                         protect_keys=[("m", (9,))])
-    (span,) = rec.spans(names.SPAN_BANK_SHRINK)
-    a = span.attributes
-    assert (a[names.ATTR_TARGET], a[names.ATTR_BYTES_BEFORE], a[names.ATTR_BYTES_AFTER]) == (100, 800, 400)
-    assert a[names.ATTR_ENTRIES_EVICTED] == 1 and a[names.ATTR_BYTES_FREED] == 400
-    assert a[names.ATTR_REASON] == "dynamic_ceiling" and a[names.ATTR_PROTECTED_KEYS] == 1
+    plan = bank.plan_shrink_to_bytes(100, protect_active=True, protect_keys=[("m", (9,))])
+    assert (plan.target_bytes, plan.bytes_before, plan.bytes_after) == (100, 800, 400)
+    assert (plan.entries, plan.freed_bytes, plan.protected_keys) == (1, 400, 1)
+    assert bank.shrink_to_bytes(100, protect_active=True, reason="dynamic_ceiling",
+                                protect_keys=[("m", (9,))]) == 1
+    assert rec.spans() == []
+    assert log == [("idle", (3,), "dynamic_ceiling")]
+    assert bank.stats().evictions == {"dynamic_ceiling": 1}
 
 
 def test_plan_shrink_to_bytes_is_a_dry_run_of_the_same_choice(rec):
@@ -138,8 +145,7 @@ def test_terminal_entries_only_in_phase_two(rec):
 def test_no_op_when_already_under_target(rec):
     bank, log = sibling_bank(rec)
     assert bank.shrink_for_admission(1000) == (0, 0) and log == []
-    (span,) = rec.spans(names.SPAN_BANK_SHRINK_FOR_ADMISSION)
-    assert span.attributes[names.ATTR_ENTRIES_EVICTED] == 0
+    assert rec.spans() == [] and bank.stats().evictions == {}
 
 
 def test_restore_source_of_protect_tokens_is_protected(rec):
@@ -213,16 +219,89 @@ def test_live_ref_of_active_session_is_skipped_idle_one_is_taken(rec):
     assert [t for _, t, _ in log] == [(2,)] and bank.total_bytes() == 400
 
 
-def test_reason_reaches_span_and_hook(rec):
+def test_reason_reaches_hook_and_stats_and_no_span_opens(rec):
     bank, log = sibling_bank(rec)
-    bank.shrink_for_admission(500, reason="prefill_admission", model="m",
-                              protect_tokens=[3, 3, 3, 3, 0])
-    (span,) = rec.spans(names.SPAN_BANK_SHRINK_FOR_ADMISSION)
-    a = span.attributes
-    assert a[names.ATTR_REASON] == "prefill_admission" and {r for *_, r in log} == {"prefill_admission"}
-    assert (a[names.ATTR_NON_TERMINAL_EVICTED], a[names.ATTR_TERMINAL_EVICTED]) == (1, 1)
-    assert (a[names.ATTR_BYTES_BEFORE], a[names.ATTR_BYTES_AFTER], a[names.ATTR_TARGET]) == (1000, 500, 500)
-    assert a[names.ATTR_PROTECTED_KEYS] == 1 and a[names.ATTR_MODEL] == "m"
+    plan = bank.plan_shrink_for_admission(500, model="m", protect_tokens=[3, 3, 3, 3, 0])
+    assert (plan.non_terminal, plan.terminal) == (1, 1)
+    assert (plan.bytes_before, plan.bytes_after, plan.target_bytes) == (1000, 500, 500)
+    assert plan.protected_keys == 1
+    assert bank.shrink_for_admission(500, reason="prefill_admission", model="m",
+                                     protect_tokens=[3, 3, 3, 3, 0]) == (1, 1)
+    assert {r for *_, r in log} == {"prefill_admission"}
+    assert bank.stats().evictions == {"prefill_admission": 2}
+    assert rec.spans() == []
+
+
+def test_shrink_for_admission_protect_active_never_takes_active_sessions(rec):
+    clock = FakeClock()
+    bank, log = mk(rec, active={"live"}, clock=clock)
+    bank.put(make_entry([1, 1], 300, "live"))  # live's terminal, oldest
+    bank.put(make_entry([5], 100, "live"))  # live's non-terminal
+    clock.advance(1)
+    bank.put(make_entry([2], 300, "idle"))
+    assert bank.shrink_for_admission(0, protect_active=True) == (0, 1)
+    assert log == [("idle", (2,), "prefill_admission_chain")]
+    assert bank.total_bytes() == 400  # above the target: the active session is spared
+    # Without the flag (the chain shed) the active session goes too: non-terminal first.
+    assert bank.shrink_for_admission(0) == (1, 1)
+    assert [t for _, t, _ in log[1:]] == [(5,), (1, 1)]
+
+
+def test_shrink_for_admission_protect_session_ids(rec):
+    bank, _ = sibling_bank(rec)
+    assert bank.shrink_for_admission(0, protect_session_ids=["s"]) == (0, 1)
+    assert remaining(bank) == [(1, 1, 1), (2, 2)]
+
+
+# -- dry runs for admission ---------------------------------------------------------------
+
+
+def admission_bank(rec):
+    """Bank 3.5 units: idle a (old terminal 100, newer fork 50), active b (fork 100,
+    terminal 100 = the prompt's restore source)."""
+    clock = FakeClock()
+    bank, log = mk(rec, active={"b"}, clock=clock)
+    bank.put(make_entry([2] * 4, 100, "a"))
+    clock.advance(1)
+    bank.put(make_entry([1] * 2, 50, "a"))
+    clock.advance(1)
+    bank.put(make_entry([3] * 2, 100, "b"))
+    clock.advance(1)
+    bank.put(make_entry([4] * 3, 100, "b"))
+    return bank, log
+
+
+PROMPT = (4, 4, 4, 7, 7)
+
+
+def test_figures_are_what_each_admission_step_could_free_at_most(rec):
+    bank, log = admission_bank(rec)
+    f = bank.figures("m", PROMPT)
+    assert f == BankFigures(total_bytes=350, max_bytes=bank.max_bytes, lru_freeable_bytes=150,
+                            lru_freeable_entries=2, chain_freeable_bytes=100,
+                            chain_freeable_entries=1, restore_prefix_tokens=3)
+    assert bank.entry_count() == 4 and log == []  # nothing was taken
+    # A pinned session is spared by both steps.
+    f = bank.figures("m", PROMPT, protect_session_ids=["a"])
+    assert (f.lru_freeable_bytes, f.chain_freeable_bytes) == (0, 100)
+    assert bank.figures("other", PROMPT).restore_prefix_tokens == 0
+
+
+def test_preview_freed_plans_on_top_of_what_earlier_steps_took(rec):
+    bank, log = admission_bank(rec)
+    n, freed, keys = bank.preview_freed(
+        0, mode=ShrinkMode.FOR_ADMISSION.value, protect_active=True, protect_tokens=PROMPT,
+        model="m", protect_session_ids=(), assume_evicted=())
+    assert (n, freed, keys) == (2, 150, (("m", (1, 1)), ("m", (2, 2, 2, 2))))  # fork first
+    n, freed, keys2 = bank.preview_freed(
+        0, mode=ShrinkMode.FOR_ADMISSION.value, protect_active=False, protect_tokens=PROMPT,
+        model="m", protect_session_ids=(), assume_evicted=keys)
+    assert (n, freed, keys2) == (1, 100, (("m", (3, 3)),))  # the restore source stays
+    n, freed, keys3 = bank.preview_freed(
+        200, mode=ShrinkMode.TO_BYTES.value, protect_active=True, protect_tokens=None,
+        model=None, protect_session_ids=(), assume_evicted=())
+    assert (n, freed, keys3) == (2, 150, (("m", (2, 2, 2, 2)), ("m", (1, 1))))  # plain LRU
+    assert bank.entry_count() == 4 and log == []
 
 
 def test_plan_for_admission_matches_execution_and_assume_evicted(rec):

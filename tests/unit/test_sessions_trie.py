@@ -6,8 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sessions.bank import SessionBank
-from sessions.testing import FakeClock, make_entry
 from sessions.trie import TokenTrie
+from tests.support.clock import FakeClock
+from tests.support.sessions import make_entry
 
 keys = st.lists(st.integers(0, 3), min_size=0, max_size=10).map(tuple)
 ops = st.lists(st.tuples(st.booleans(), keys), min_size=1, max_size=60)

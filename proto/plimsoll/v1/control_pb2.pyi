@@ -224,7 +224,7 @@ class GetMemoryStatusResponse(_message.Message):
     def __init__(self, level: _Optional[_Union[_types_pb2.PressureLevel, str]] = ..., readings: _Optional[_Union[_types_pb2.MemoryReadings, _Mapping]] = ..., limits: _Optional[_Union[_types_pb2.MemoryLimits, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., enforcer_enabled: _Optional[bool] = ..., poll_interval_seconds: _Optional[float] = ..., admission_paused: _Optional[bool] = ..., session_bank_bytes: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "source", "state", "measured_bytes", "active_requests", "waiting_requests", "pinned", "last_used", "context_length", "kv_bytes_per_token", "is_default", "batch_cap", "pending_unload")
+    __slots__ = ("id", "source", "state", "measured_bytes", "active_requests", "waiting_requests", "pinned", "last_used", "context_length", "kv_bytes_per_token", "is_default", "batch_cap", "pending_unload", "store_cache_cap")
     ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class ModelInfo(_message.Message):
     IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
     BATCH_CAP_FIELD_NUMBER: _ClassVar[int]
     PENDING_UNLOAD_FIELD_NUMBER: _ClassVar[int]
+    STORE_CACHE_CAP_FIELD_NUMBER: _ClassVar[int]
     id: str
     source: str
     state: ModelState
@@ -251,7 +252,8 @@ class ModelInfo(_message.Message):
     is_default: bool
     batch_cap: int
     pending_unload: str
-    def __init__(self, id: _Optional[str] = ..., source: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., measured_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., pinned: _Optional[bool] = ..., last_used: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., context_length: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., is_default: _Optional[bool] = ..., batch_cap: _Optional[int] = ..., pending_unload: _Optional[str] = ...) -> None: ...
+    store_cache_cap: int
+    def __init__(self, id: _Optional[str] = ..., source: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., measured_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., pinned: _Optional[bool] = ..., last_used: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., context_length: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., is_default: _Optional[bool] = ..., batch_cap: _Optional[int] = ..., pending_unload: _Optional[str] = ..., store_cache_cap: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

@@ -1,18 +1,20 @@
-"""A child memory cgroup for the real-memory-limit tests.
+"""A child memory cgroup, for the real-memory-limit tests and the benchmarks.
 
 `ChildCgroup.create(limit_bytes)` makes ``plimsoll-<uuid>`` directly under this
 process's *own* memory cgroup (cgroup v1 ``memory`` hierarchy, or cgroup v2 when the
 own cgroup is on the unified hierarchy with the memory controller), sets its limit
 (v1: ``memory.limit_in_bytes`` and, when present, ``memory.memsw.limit_in_bytes`` so
-swap cannot stretch it; v2: ``memory.max`` and ``memory.swap.max = 0``), and hands out
-``prefix()``: a command prefix that moves the spawned process into the cgroup before
-it ``exec``s the real command, so every byte the command ever touches is charged there.
+swap cannot stretch it; v2: ``memory.max`` and ``memory.swap.max = 0``; a limit of
+None means none: ``-1`` / ``max``), and hands out ``prefix()``: a command prefix that
+moves the spawned process into the cgroup before it ``exec``s the real command, so
+every byte the command ever touches is charged there.
 
-Only a nested cgroup is ever created: the tests never touch the limits of the cgroup
-they run in. `CgroupUnavailable.reason` says why one cannot be made (not root, no
-memory controller, read-only mount, cgroup v2 without memory delegation); tests turn
-it into ``pytest.skip``. `destroy()` SIGKILLs whatever is still inside, waits for the
-tasks to leave and removes the directory; it is idempotent and safe in finalizers.
+Only a nested cgroup is ever created: the limits of the cgroup this process runs in
+are never touched. `CgroupUnavailable.reason` says why one cannot be made (not root,
+no memory controller, read-only mount, cgroup v2 without memory delegation); tests
+turn it into ``pytest.skip``, benchmarks into SKIPPED. `destroy()` SIGKILLs whatever
+is still inside, waits for the tasks to leave and removes the directory; it is
+idempotent and safe in finalizers.
 """
 
 from __future__ import annotations
@@ -181,12 +183,12 @@ def parse_v2_events(events: str) -> OomCounters:
 class ChildCgroup:
     version: int
     path: Path
-    limit_bytes: int
+    limit_bytes: int | None
     _destroyed: bool = field(default=False, repr=False)
 
     # -- creation ------------------------------------------------------------------
     @classmethod
-    def create(cls, limit_bytes: int, own: OwnCgroup | None = None) -> ChildCgroup:
+    def create(cls, limit_bytes: int | None = None, own: OwnCgroup | None = None) -> ChildCgroup:
         if os.geteuid() != 0:
             raise CgroupUnavailable(f"creating a memory cgroup needs root (euid {os.geteuid()})")
         own = own or find_own_cgroup()
@@ -207,20 +209,25 @@ class ChildCgroup:
             raise
         return child
 
-    def set_limit(self, limit_bytes: int) -> None:
-        """(Re)set the limit. v1 keeps memsw >= limit at every step, as the kernel demands."""
+    def set_limit(self, limit_bytes: int | None) -> None:
+        """(Re)set the limit (None: no limit). v1 keeps memsw >= limit at every step, as the
+        kernel demands."""
         if self.version == 1:
+            value: int | str = -1 if limit_bytes is None else limit_bytes
             memsw = self.path / V1_MEMSW_LIMIT
             has_memsw = memsw.exists()
-            if has_memsw and limit_bytes > self.limit_bytes:
-                _write(memsw, limit_bytes)  # raising: memsw first
-                _write(self.path / V1_LIMIT, limit_bytes)
+            raising = limit_bytes is None or (
+                self.limit_bytes is not None and limit_bytes > self.limit_bytes
+            )
+            if has_memsw and raising:
+                _write(memsw, value)  # raising: memsw first
+                _write(self.path / V1_LIMIT, value)
             else:
-                _write(self.path / V1_LIMIT, limit_bytes)  # lowering / first time: limit first
+                _write(self.path / V1_LIMIT, value)  # lowering / first time: limit first
                 if has_memsw:
-                    _write(memsw, limit_bytes)
+                    _write(memsw, value)
         else:
-            _write(self.path / V2_MAX, limit_bytes)
+            _write(self.path / V2_MAX, "max" if limit_bytes is None else limit_bytes)
             swap = self.path / V2_SWAP_MAX
             if swap.exists():
                 _write(swap, 0)
@@ -276,8 +283,9 @@ class ChildCgroup:
             counters = str(self.oom_counters())
         except OSError:
             usage, counters = float("nan"), "unreadable"
+        limit = "none" if self.limit_bytes is None else f"{self.limit_bytes / 2**20:.0f} MiB"
         return (
-            f"cgroup v{self.version} {self.path} limit {self.limit_bytes / 2**20:.0f} MiB "
+            f"cgroup v{self.version} {self.path} limit {limit} "
             f"usage {usage:.0f} MiB {counters}"
         )
 
@@ -375,3 +383,18 @@ def remove_leftovers(own: OwnCgroup | None = None) -> list[Path]:
         except OSError:
             continue
     return removed
+
+
+def limit_for_ceiling(ceiling: int, total: int) -> int:
+    """The cgroup limit whose container term of Plimsoll's ceiling (limit - reserve) is
+    `ceiling`, on a machine of `total` bytes (custom tier)."""
+    from memory.levels import GIB, Tier, container_reserve_bytes
+
+    lo, hi = ceiling, 2 * ceiling + 4 * GIB
+    while hi - lo > 4096:
+        mid = (lo + hi) // 2
+        if mid - container_reserve_bytes(Tier.CUSTOM, total, mid) < ceiling:
+            lo = mid
+        else:
+            hi = mid
+    return hi

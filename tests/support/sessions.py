@@ -1,4 +1,7 @@
-"""Test helpers for code that uses `sessions` (a scripted clock, entry maker, span capture)."""
+"""Test helpers for code that uses `sessions`: an entry maker and span capture.
+
+The scripted clock is `tests.support.clock.FakeClock`.
+"""
 
 from __future__ import annotations
 
@@ -10,24 +13,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Tracer
 
-from .bank import SessionEntry
-
-
-class FakeClock:
-    """A scripted monotonic clock: `clock()` reads, `advance()` / `set()` move it."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> float:
-        self.now += seconds
-        return self.now
-
-    def set(self, now: float) -> None:
-        self.now = now
+from sessions.bank import SessionEntry
 
 
 def make_entry(

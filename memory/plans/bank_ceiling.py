@@ -1,19 +1,17 @@
-"""The bank's dynamic ceiling (MTPLX's memory plan, mtplx.md section 4).
+"""The session bank's dynamic ceiling: what the bank may hold once the rest is counted.
 
 The bank may only use what is left once the weights, the running working set
-and a reserve for allocation spikes are accounted for; the enforcer recomputes
-it every tick and `hold_to_ceiling` trims the bank toward it, sparing active
-sessions (so the bank may stay above it rather than force a re-prefill).
+and a reserve for allocation spikes are accounted for; the governor recomputes
+it every tick and `plan_hold_to_ceiling` trims the bank toward it, sparing
+active sessions (so the bank may stay above it rather than force a re-prefill).
+Pure.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .bank import REASON_DYNAMIC_CEILING, GiB, MiB
-
-if TYPE_CHECKING:
-    from .bank import SessionBank
+from memory.actions import REASON_DYNAMIC_CEILING, ShrinkMode, ShrinkSessionCache
+from memory.levels import GIB as GiB
+from memory.levels import MIB as MiB
 
 MIN_BANK_CEILING_BYTES = 1 * GiB
 MAX_BANK_IDLE_BYTES = 48 * GiB
@@ -61,16 +59,14 @@ def bank_dynamic_ceiling(
                   MIN_BANK_CEILING_BYTES, bank_idle_max)
 
 
-def hold_to_ceiling(
-    bank: SessionBank, ceiling_bytes: int, slack_bytes: int = DYNAMIC_CEILING_SLACK_BYTES
-) -> int:
-    """Every enforcer tick: record the ceiling and, when the bank is over it by more
-    than the slack, shrink_to_bytes(ceiling, protect_active=True) -> entries evicted.
+def plan_hold_to_ceiling(
+    bank_bytes: int, ceiling_bytes: int, slack_bytes: int = DYNAMIC_CEILING_SLACK_BYTES
+) -> ShrinkSessionCache | None:
+    """Over the ceiling by more than the slack: shrink_to_bytes(ceiling, protect_active=True).
 
     The slack keeps a bank hovering at its ceiling from shrinking on every tick.
     """
-    bank.set_dynamic_ceiling(ceiling_bytes)
-    target = bank.effective_max_bytes
-    if bank.total_bytes() <= target + slack_bytes:
-        return 0
-    return bank.shrink_to_bytes(target, protect_active=True, reason=REASON_DYNAMIC_CEILING)
+    if bank_bytes <= ceiling_bytes + slack_bytes:
+        return None
+    return ShrinkSessionCache(target_bytes=ceiling_bytes, protect_active=True,
+                              reason=REASON_DYNAMIC_CEILING, mode=ShrinkMode.TO_BYTES)

@@ -1,7 +1,7 @@
-"""The enforcer's decisions, as pure functions and one pure tick state machine.
+"""The enforcer tick: pure functions and one pure state machine.
 
 Nothing here reads memory, a clock or MLX. `tick_plan` is a generator that the
-thin loop (`memory.enforcer`) drives:
+governor (`memory.governor`) drives:
 
 - it yields `Measure(reason)` and receives a fresh `Snapshot` (readings, engine
   views, session-tier bytes);
@@ -15,11 +15,12 @@ snapshots drives it exactly the same way the real reader does.
 The ladder (seed facts, in order):
 
 1. At or above soft: clear auxiliary caches, re-measure.
-   Commit the level (hysteresis, emergency counter), pause/resume admission.
-2. Not ok: when the MLX pool exceeds the floor (2 GiB) or a session shrink just
-   freed references, ask every ready engine for a pressure reclaim. When not
-   in emergency and an engine accepted, defer enforcement (at most 5
-   consecutive polls per pressure episode; the counter resets at ok).
+   Commit the level (ok below soft, always; the emergency counter), pause
+   admission, or resume it at ok (below an opt-in band under soft).
+2. Not ok and not emergency: when the MLX pool exceeds the floor (2 GiB) or a
+   session shrink just freed references, ask every ready engine for a pressure
+   reclaim. When an engine accepted, defer enforcement (at most 5 consecutive
+   polls per pressure episode; the counter resets at ok).
 3. Hard: shrink the session tier toward soft, protecting active entries; when
    it freed anything ask for a pool reclaim (the freed references sit in the
    pool), re-measure and re-grade (hard may drop to soft or ok), and defer if
@@ -31,8 +32,11 @@ The ladder (seed facts, in order):
    in emergency abort all and mark a pending unload); with nothing evictable,
    flag in-progress loads to abort; with none, abort active requests on every
    engine (emergency only) or ask every engine for an idle reclaim.
-5. Every tick, deferred and ok ones too: one store-cache cap step per engine.
-6. Transitions are actions, executed (published) where they are committed.
+5. Every tick, deferred and ok ones too: one store-cache cap step per engine
+   (and one step of its decode batch cap), and this tick's limits to every engine.
+6. Every tick, the bank's upkeep (`memory.plans.upkeep`): idle TTL, the OS
+   pressure guard, the bank's dynamic ceiling.
+7. Transitions are actions, executed (published) where they are committed.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from memory.actions import (
     REASON_HARD_BUSY,
     REASON_HARD_LRU,
     REASON_NO_EVICTABLE,
+    REASON_OS_RECLAIM,
     REASON_PENDING_UNLOAD,
     REASON_POOL_RECLAIM,
     REASON_SHRINK_RECLAIM,
@@ -61,14 +66,17 @@ from memory.actions import (
     AbortLoad,
     AbortRequests,
     Action,
+    AdjustBatchCap,
     AdjustStoreCacheCap,
     ClearAuxCaches,
     EvictModel,
+    ExpireSessions,
     IdleReclaim,
     MarkPendingUnload,
     Outcome,
     PauseAdmission,
     PressureReclaim,
+    PropagateLimits,
     ResumeAdmission,
     ShrinkSessionCache,
     Transition,
@@ -76,6 +84,10 @@ from memory.actions import (
 from memory.ceiling import Limits, compute_limits
 from memory.config import AbortOrder, MemoryConfig
 from memory.levels import PressureLevel
+from memory.plans.bank_ceiling import bank_dynamic_ceiling, plan_hold_to_ceiling, working_set_bytes
+from memory.plans.eviction import idle_victims
+from memory.plans.os_guard import GuardState, OsPressure, guard_step
+from memory.plans.steps import Execute, Measure, Snapshot, Step
 from memory.readings import MemoryReadings
 from memory.views import EngineView, RequestView
 
@@ -100,34 +112,14 @@ class PolicyState:
     grace_polls: int = 0  # deferred polls in this pressure episode
     shrink_freed_refs: bool = False  # a session shrink freed references not yet reclaimed
     admission_paused: bool = False
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """One measurement of everything the policy looks at."""
-
-    readings: MemoryReadings
-    engines: tuple[EngineView, ...] = ()
-    session_bytes: int | None = None  # None: no session tier
-
-
-@dataclass(frozen=True)
-class Measure:
-    reason: str
-
-
-@dataclass(frozen=True)
-class Execute:
-    actions: tuple[Action, ...]
-
-
-Step = Measure | Execute
+    guard: GuardState = GuardState()  # the OS pressure guard's hysteresis
+    bank_ceiling_bytes: int | None = None  # the bank's dynamic ceiling, last tick
 
 
 @dataclass(frozen=True)
 class Assessment:
     level: PressureLevel  # EMERGENCY when the emergency rule holds
-    base_level: PressureLevel  # OK / SOFT / HARD from the marks (with hysteresis)
+    base_level: PressureLevel  # OK / SOFT / HARD from the marks
     emergency: bool
     over_ceiling_polls: int
     usage_bytes: int
@@ -168,33 +160,6 @@ def raw_level(usage: int, limits: Limits) -> PressureLevel:
     return OK
 
 
-def hysteresis_band_bytes(limits: Limits, fraction: float) -> int:
-    return int(limits.ceiling_bytes * fraction)
-
-
-def grade_level(
-    usage: int, limits: Limits, previous: PressureLevel, hysteresis_fraction: float
-) -> PressureLevel:
-    """The mark-based level with hysteresis.
-
-    Up is immediate. Down, each mark is crossed only once usage is below it by
-    the band (a share of the ceiling), so a reading hovering at a mark — or a
-    ceiling jittering with the page cache — does not flap the level.
-    """
-    raw = raw_level(usage, limits)
-    prev = min(previous, HARD)  # EMERGENCY sits on top of HARD
-    if raw >= prev:
-        return raw
-    band = hysteresis_band_bytes(limits, hysteresis_fraction)
-    level = prev
-    while level > raw:
-        mark = limits.hard_bytes if level == HARD else limits.soft_bytes
-        if usage >= mark - band:
-            break
-        level = PressureLevel(level - 1)
-    return level
-
-
 def is_emergency(
     usage: int, ceiling: int, over_polls: int, margin_bytes: int, polls_needed: int
 ) -> bool:
@@ -221,7 +186,7 @@ def assess(
         polls = over_ceiling_polls + 1
     else:
         polls = max(over_ceiling_polls, 1)
-    base = grade_level(usage, limits, previous, config.hysteresis_fraction)
+    base = raw_level(usage, limits)
     emergency = is_emergency(
         usage, limits.ceiling_bytes, polls, config.emergency_margin_bytes, config.emergency_polls
     )
@@ -235,12 +200,18 @@ def assess(
 
 
 def commit(
-    state: PolicyState, assessment: Assessment, limits: Limits, reason: str, now: float
+    state: PolicyState, assessment: Assessment, limits: Limits, reason: str, now: float,
+    resume_band: float = 0.0,
 ) -> tuple[PolicyState, list[Action]]:
     """Adopt an assessment: transition, admission pause/resume, episode counters."""
     actions: list[Action] = []
-    paused = assessment.level != OK
-    admission = admission_action(assessment.level, state.admission_paused)
+    admission = admission_action(assessment.level, state.admission_paused,
+                                 assessment.usage_bytes, limits, resume_band)
+    if (admission is None and state.admission_paused and assessment.level != OK
+            and assessment.level != state.level):
+        admission = PauseAdmission(assessment.level)  # still paused, at the new level
+    paused = state.admission_paused if admission is None else isinstance(admission,
+                                                                          PauseAdmission)
     if admission is not None:
         actions.append(admission)
     if assessment.level != state.level:
@@ -258,7 +229,8 @@ def commit(
             )
         )
     at_ok = assessment.level == OK
-    new_state = PolicyState(
+    new_state = dataclasses.replace(
+        state,
         level=assessment.level,
         over_ceiling_polls=assessment.over_ceiling_polls,
         grace_polls=0 if at_ok else state.grace_polls,  # a pressure episode ends at ok
@@ -305,8 +277,18 @@ def plan_session_shrink(
 
 def plan_cap_walk(
     level: PressureLevel, engines: Iterable[EngineView]
-) -> tuple[AdjustStoreCacheCap, ...]:
-    return tuple(AdjustStoreCacheCap(e.model_id, level) for e in engines if e.ready)
+) -> tuple[AdjustStoreCacheCap | AdjustBatchCap, ...]:
+    """One step per engine of its store-cache cap and of its decode batch cap."""
+    ready = [e for e in engines if e.ready]
+    return tuple(AdjustStoreCacheCap(e.model_id, level) for e in ready) + tuple(
+        AdjustBatchCap(e.model_id, level) for e in ready
+    )
+
+
+def plan_propagate(readings: MemoryReadings, limits: Limits) -> PropagateLimits:
+    """This tick's ceiling for the engines' prefill chunk sizing."""
+    non_mlx = max(0, readings.process_bytes - (readings.mlx_active_bytes or 0))
+    return PropagateLimits(limits.ceiling_bytes, limits.abort_cap_bytes, non_mlx, limits.tier)
 
 
 def select_requests(
@@ -379,13 +361,7 @@ class ReliefPlan:
 
 
 def _idle_victims(engines: Sequence[EngineView], memo: ReliefMemo) -> list[EngineView]:
-    """Idle, ready, non-pinned models: pending unloads first, then least recently used."""
-    candidates = [
-        e
-        for e in engines
-        if e.ready and not e.pinned and not e.busy and e.model_id not in memo.evicted
-    ]
-    return sorted(candidates, key=lambda e: (not e.pending_unload, e.last_used, e.model_id))
+    return idle_victims(engines, exclude=memo.evicted)
 
 
 def _busy_victim(engines: Sequence[EngineView], memo: ReliefMemo) -> EngineView | None:
@@ -437,7 +413,7 @@ def plan_relief(
             reason = REASON_PENDING_UNLOAD
         else:
             reason = REASON_HARD_LRU if level >= HARD else REASON_SOFT_LRU
-        actions.append(EvictModel(victim.model_id, reason, True, victim.measured_bytes))
+        actions.append(EvictModel(victim.model_id, reason, victim.measured_bytes))
         non_pinned_loaded -= 1
         if victim.measured_bytes is None:
             return plan(complete=False)  # unknown size: re-measure before going on
@@ -499,11 +475,18 @@ def _emergency_aborts(
     return actions
 
 
-def admission_action(level: PressureLevel, paused: bool) -> Action | None:
-    """New admissions pause whenever the level is not ok, and resume at ok."""
+def admission_action(
+    level: PressureLevel, paused: bool, usage: int = 0, limits: Limits | None = None,
+    resume_band: float = 0.0,
+) -> Action | None:
+    """New admissions pause whenever the level is not ok, and resume at ok — once usage
+    is `resume_band` of the ceiling below the soft mark, when that opt-in band is set."""
     if level != OK and not paused:
         return PauseAdmission(level)
     if level == OK and paused:
+        band = int(limits.ceiling_bytes * resume_band) if limits is not None else 0
+        if limits is not None and band > 0 and usage >= limits.soft_bytes - band:
+            return None  # still inside the opt-in resume band
         return ResumeAdmission(level)
     return None
 
@@ -525,6 +508,7 @@ class _Tick:
     transitions: list[Transition] = field(default_factory=list)
     measurements: int = 1
     evicted: frozenset[str] = frozenset()
+    bank_freed: int = 0  # session bytes freed since the last measurement
 
     @property
     def usage(self) -> int:
@@ -534,6 +518,13 @@ class _Tick:
         self.snap = snap
         self.limits = compute_limits(snap.readings, self.config)
         self.measurements += 1
+        self.bank_freed = 0
+
+    @property
+    def bank_bytes(self) -> int | None:
+        if self.snap.session_bytes is None:
+            return None
+        return max(0, self.snap.session_bytes - self.bank_freed)
 
     def assess(self, *, new_poll: bool = False) -> Assessment:
         return assess(
@@ -552,11 +543,14 @@ def _execute(tick: _Tick, actions: Sequence[Action]) -> Generator[Step, Any, lis
     outcomes: list[Outcome] = list((yield Execute(tuple(actions))))
     tick.outcomes.extend(outcomes)
     tick.transitions.extend(a for a in actions if isinstance(a, Transition))
+    tick.bank_freed += sum(o.bytes_freed or 0 for o in outcomes
+                           if isinstance(o.action, ShrinkSessionCache | ExpireSessions))
     return outcomes
 
 
 def _commit(tick: _Tick, assessment: Assessment, reason: str) -> Generator[Step, Any, None]:
-    tick.state, actions = commit(tick.state, assessment, tick.limits, reason, tick.now)
+    tick.state, actions = commit(tick.state, assessment, tick.limits, reason, tick.now,
+                                 tick.config.resume_band_fraction)
     yield from _execute(tick, actions)
 
 
@@ -577,6 +571,7 @@ def tick_plan(
         ok = Assessment(OK, OK, False, 0, tick.usage)
         yield from _commit(tick, ok, MEASURE_DISABLED)
         yield from _execute(tick, plan_cap_walk(OK, tick.snap.engines))
+        yield from upkeep(tick)
         return _result(tick, ok, deferred)
 
     a = tick.assess(new_poll=True)
@@ -588,13 +583,14 @@ def tick_plan(
         a = assess(tick.usage, tick.limits, tick.state.level, polls, config, new_poll=False)
     yield from _commit(tick, a, MEASURE_POLL)  # the aux clear is part of the poll
 
-    # Drain the reclaimable pool before anything destructive.
-    if a.level != OK and pool_reclaim_wanted(tick.snap.readings, tick.state, config):
+    # Drain the reclaimable pool before anything destructive (not in emergency: the
+    # seed sends it when "not ok and not emergency", and nothing may wait then).
+    if a.level in (SOFT, HARD) and pool_reclaim_wanted(tick.snap.readings, tick.state, config):
         outcomes = yield from _execute(tick, plan_pressure_reclaim(tick.snap.engines))
         accepted = any(o.accepted for o in outcomes)
         if accepted:
             tick.state = dataclasses.replace(tick.state, shrink_freed_refs=False)
-        if accepted and not a.emergency and may_defer(a, tick.state, config):
+        if accepted and may_defer(a, tick.state, config):
             tick.state = dataclasses.replace(tick.state, grace_polls=tick.state.grace_polls + 1)
             deferred = True
 
@@ -609,13 +605,14 @@ def tick_plan(
         a = yield from _relieve(tick, a)
 
     yield from _execute(tick, plan_cap_walk(tick.state.level, _remaining(tick)))
+    yield from upkeep(tick)
     return _result(tick, a, deferred)
 
 
 def _after_shrink(tick: _Tick) -> Generator[Step, Any, tuple[Assessment, bool]]:
     """Freed session references land in the MLX pool: reclaim, re-measure, maybe defer."""
     accepted = False
-    if tick.config.pressure_reclaim:
+    if tick.config.pressure_reclaim and tick.state.level != EMERGENCY:
         reclaims = plan_pressure_reclaim(tick.snap.engines, REASON_SHRINK_RECLAIM)
         outcomes = yield from _execute(tick, reclaims)
         accepted = any(o.accepted for o in outcomes)
@@ -659,6 +656,43 @@ def _relieve(tick: _Tick, a: Assessment) -> Generator[Step, Any, Assessment]:
         a = tick.assess()
         yield from _commit(tick, a, MEASURE_AFTER_RELIEF)
     return a
+
+
+def upkeep(tick: _Tick) -> Generator[Step, Any, None]:
+    """Every tick: limits to the engines, then the bank's idle TTL, the OS pressure
+    guard (warning: half the budget, critical: all of it, active sessions spared; a
+    pool reclaim when it freed anything or the report is critical) and the bank's
+    dynamic ceiling."""
+    engines = _remaining(tick)
+    enforce = tick.config.enabled  # disabled: measured and reported, never enforced
+    if enforce:
+        yield from _execute(tick, [plan_propagate(tick.snap.readings, tick.limits)])
+    if tick.bank_bytes is None:
+        return
+    if tick.snap.sessions_expired:
+        yield from _execute(tick, [ExpireSessions()])
+    if not enforce:
+        return
+    weights = sum(e.measured_bytes or 0 for e in engines if e.ready)
+    usage = tick.usage
+    ceiling = bank_dynamic_ceiling(
+        tick.limits.ceiling_bytes, weights, working_set_bytes(usage, weights, tick.bank_bytes or 0),
+        bank_idle_max=tick.snap.bank_max_bytes,
+    )
+    budget = min(tick.snap.bank_max_bytes or ceiling, ceiling)
+    guard, guard_actions = guard_step(
+        tick.state.guard, tick.snap.readings.os_pressure, tick.now, budget_bytes=budget,
+        busy=any(e.busy for e in engines),
+    )
+    tick.state = dataclasses.replace(tick.state, guard=guard, bank_ceiling_bytes=budget)
+    for g in guard_actions:
+        (out,) = yield from _execute(tick, [ShrinkSessionCache(
+            target_bytes=g.target_bytes, protect_active=True, reason=g.reason)])
+        if (out.entries or 0) > 0 or g.level is OsPressure.CRITICAL:
+            yield from _execute(tick, plan_pressure_reclaim(engines, REASON_OS_RECLAIM))
+    hold = plan_hold_to_ceiling(tick.bank_bytes or 0, budget)
+    if hold is not None:
+        yield from _execute(tick, [hold])
 
 
 def _remaining(tick: _Tick) -> list[EngineView]:

@@ -1,0 +1,113 @@
+"""The control operations: pins and leases, model load and unload, sessions.
+
+Memory decisions are not made here: a load asks the governor to make room
+(`Governor.make_room_for_load`) and is refused with its numbers when it cannot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from engine.errors import NotFound, ResourceExhausted, Unavailable
+from engine.pool import ModelEntry, ModelPool, ModelState, UnloadResult
+from memory.governor import Governor
+from service.lifecycle import Lifecycle, settle_heap
+from sessions.bank import SessionBank
+from sessions.leases import HeldLease, Leases
+
+
+class ControlPlane:
+    def __init__(self, pool: ModelPool, governor: Governor, leases: Leases, bank: SessionBank,
+                 lifecycle: Lifecycle) -> None:
+        self.pool = pool
+        self.governor = governor
+        self.leases = leases
+        self.bank = bank
+        self.lifecycle = lifecycle
+        pool.load_guard = self.make_room_for_load
+        pool.listeners.append(self.governor.wake)  # a load or unload changes the cadence
+        pool.listeners.append(self._drop_sessions_of_unloaded_models)
+
+    # -- models -----------------------------------------------------------------------
+    async def load_model(self, source: str, model_id: str = "") -> ModelEntry:
+        if self.lifecycle.draining:
+            raise Unavailable("server is draining", retry_after_s=1.0)
+        entry = await self.pool.load(source, model_id)
+        settle_heap()
+        return entry
+
+    async def unload_model(self, model_id: str, force: bool) -> UnloadResult:
+        return await self.pool.unload(model_id, force=force)
+
+    async def make_room_for_load(self, entry: ModelEntry, estimate: int | None) -> None:
+        """Before a load (the pool's load guard): evict idle LRU models down to the
+        soft mark; refuse when the model cannot fit under the ceiling even then."""
+        if estimate is None or not self.governor.config.enabled:
+            return  # a repository not downloaded yet: the tick handles what follows
+        result = await self.governor.make_room_for_load(entry.model_id, estimate)
+        refusal = result.refusal
+        if refusal is not None:
+            raise ResourceExhausted(
+                refusal.message, reason=refusal.error_reason,
+                retry_after_s=refusal.retry_after_s,
+                metadata={k: str(v) for k, v in refusal.numbers.items()},
+            )
+
+    def _drop_sessions_of_unloaded_models(self) -> None:
+        # KV snapshots are only good with the weights that made them; however a model
+        # went (UnloadModel, the governor, a pending unload), its cache goes too.
+        for e in self.pool.entries():
+            if e.state == ModelState.UNLOADED:
+                self.bank.drop_model(e.model_id)
+
+    # -- pins ---------------------------------------------------------------------------
+    async def pin_model(self, model_id: str, owner: str, ttl_s: float | None) -> HeldLease:
+        try:
+            entry = self.pool.get(model_id)
+        except NotFound:
+            entry = None
+        while entry is not None and entry.state == ModelState.UNLOADING:
+            await asyncio.sleep(0.05)  # let the unload finish, then load it again
+        if entry is None or entry.state == ModelState.UNLOADED:
+            # Pinning an unloaded model loads it: by id when known, else as a source.
+            source = entry.source if entry is not None else model_id
+            entry = await self.load_model(source, entry.model_id if entry else "")
+        lease = self.leases.pin_model(entry.model_id, owner, ttl_s)
+        self._recount_pins(entry.model_id)
+        self._expire_after(ttl_s)
+        return lease
+
+    def pin_session(self, session_id: str, owner: str, ttl_s: float | None) -> HeldLease:
+        lease = self.leases.pin_session(session_id, owner, ttl_s)
+        self._expire_after(ttl_s)
+        return lease
+
+    def unpin(self, lease_id: str) -> HeldLease:
+        held = self.leases.unpin(lease_id)
+        if held is None:
+            raise NotFound(f"lease '{lease_id}' is not held (expired or never taken)", "lease")
+        if held.lease.model_id:
+            self._recount_pins(held.lease.model_id)
+        return held
+
+    def expire_leases(self) -> None:
+        for held in self.leases.expire():
+            if held.lease.model_id:
+                self._recount_pins(held.lease.model_id)
+
+    def _expire_after(self, ttl_s: float | None) -> None:
+        # An expired lease unpins on time, not at the next (maybe 10 s away) tick.
+        if ttl_s:
+            asyncio.get_running_loop().call_later(ttl_s + 0.01, self.expire_leases)
+
+    def _recount_pins(self, model_id: str) -> None:
+        with contextlib.suppress(NotFound):
+            self.pool.get(model_id).pins = self.leases.model_count(model_id)
+
+    # -- sessions -----------------------------------------------------------------------
+    def drop_session(self, session_id: str) -> tuple[int, int]:
+        entries, freed = self.bank.drop_session(session_id)
+        if not entries:
+            raise NotFound(f"session '{session_id}' has no cached entries", "session_id")
+        return entries, freed

@@ -1,0 +1,319 @@
+"""The Generate pipeline: tokenize → admit through the governor → restore → submit → stream.
+
+Also the Admit RPC, which runs the same admission as a preview so it says what
+Generate would do at that instant, and the engine-thread hook that stores a
+finished session turn in the bank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from engine.pool import ModelEntry, ModelPool
+from engine.request import (
+    DEFAULT_MAX_TOKENS,
+    ChatMessage,
+    Chunk,
+    Event,
+    Failed,
+    GenerationRequest,
+    SamplingParams,
+    validate_against_model,
+)
+from memory.governor import Governor
+from memory.levels import PressureLevel
+from memory.plans.admission import AdmissionRequest, AdmissionResult, own_bytes
+from service.lifecycle import Lifecycle
+from service.metrics import RequestMetrics
+from sessions.activity import ActiveSessions
+from sessions.admission import AdmissionQueue, AdmissionSlot, QueueOutcome
+from sessions.bank import SessionBank, SessionEntry
+from sessions.reservations import ReservationBook
+from telemetry import names, tracer
+
+DEFAULT_CHUNK_TOKENS = 64
+
+
+@dataclass
+class GenerateSpec:
+    """A Generate request before tokenization: exactly one of text, token_ids, chat."""
+
+    model: str = ""
+    text: str | None = None
+    token_ids: list[int] | None = None
+    chat: list[ChatMessage] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    session_id: str = ""
+    admission_ticket: str = ""
+    max_tokens_per_chunk: int = 0
+
+
+@dataclass
+class Admitted:
+    """What the start message reports."""
+
+    request_id: str
+    model_id: str
+    prompt_tokens: int
+    cached_tokens: int
+    pressure_level: PressureLevel
+
+
+@dataclass
+class AdmitReport:
+    """The answer to ControlService.Admit."""
+
+    result: AdmissionResult
+    ticket: str = ""
+    ticket_expires_at: float = 0.0  # wall clock
+
+
+@dataclass
+class PipelineSettings:
+    max_queued_requests: int = 256  # requests in flight (running + waiting) per server
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    admission_timeout_s: float = 30.0
+    session_bank: bool = True
+
+
+class GeneratePipeline:
+    def __init__(self, pool: ModelPool, governor: Governor, bank: SessionBank,
+                 queue: AdmissionQueue, reservations: ReservationBook,
+                 active: ActiveSessions, settings: PipelineSettings, lifecycle: Lifecycle,
+                 metrics: RequestMetrics) -> None:
+        self.pool = pool
+        self.governor = governor
+        self.bank = bank
+        self.queue = queue
+        self.reservations = reservations
+        self.active = active
+        self.settings = settings
+        self.lifecycle = lifecycle
+        self.metrics = metrics
+        self.in_flight = 0
+        self._ids = itertools.count(1)
+        self._prefix = os.urandom(3).hex()
+
+    # -- tokenize and validate --------------------------------------------------------
+    def prepare(self, spec: GenerateSpec) -> tuple[ModelEntry, GenerationRequest]:
+        """Resolve, tokenize and validate; raises a PlimsollError naming the field."""
+        if self.lifecycle.draining:
+            raise Unavailable("server is draining; retry on another replica", retry_after_s=1.0)
+        spec.sampling.validate()
+        entry = self.pool.ready(spec.model)
+        info = entry.engine.info if entry.engine else None
+        if info is None:
+            raise Unavailable(f"model '{entry.model_id}' is not ready", retry_after_s=1.0)
+        tokens = tokenize(info.tokenizer, spec)
+        max_tokens = spec.max_tokens or min(
+            self.settings.default_max_tokens, max(1, info.context_length - len(tokens))
+        )
+        validate_against_model(tokens, max_tokens, info.vocab_size, info.context_length)
+        request = GenerationRequest(
+            request_id=f"req-{self._prefix}-{next(self._ids)}",
+            model_id=entry.model_id,
+            prompt_tokens=tokens,
+            sampling=spec.sampling,
+            max_tokens=max_tokens,
+            stop=spec.stop,
+            ignore_eos=spec.ignore_eos,
+            session_id=spec.session_id,
+            max_tokens_per_chunk=spec.max_tokens_per_chunk,
+        )
+        return entry, request
+
+    def _admission_request(self, entry: ModelEntry, request: GenerationRequest,
+                           holds_slot: bool) -> AdmissionRequest:
+        return AdmissionRequest(
+            model=entry.model_id,
+            prompt_tokens=tuple(request.prompt_tokens),
+            max_tokens=request.max_tokens,
+            kv_bytes_per_token=entry.kv_bytes_per_token,
+            attention_heads=entry.attention_heads,
+            prefill_step_size=self.pool.settings.prefill_step_size,
+            holds_slot=holds_slot,
+        )
+
+    # -- Admit ------------------------------------------------------------------------------
+    async def admit(self, spec: GenerateSpec, reserve: bool, ttl_s: float | None) -> AdmitReport:
+        """ControlService.Admit: the admission Generate would run, as a preview."""
+        entry, request = self.prepare(spec)
+        result = await self.governor.admit(self._admission_request(entry, request, False),
+                                           preview=True)
+        if result is None:
+            raise Unavailable("memory could not be measured; retry", retry_after_s=1.0)
+        report = AdmitReport(result)
+        if reserve and result.admitted:
+            ticket = self.reservations.reserve(own_bytes(result.decision.inputs),
+                                               entry.model_id, ttl_s)
+            report.ticket = ticket.ticket
+            report.ticket_expires_at = time.time() + (ticket.expires_at - time.monotonic())
+        return report
+
+    # -- Generate -----------------------------------------------------------------------------
+    async def generate(self, spec: GenerateSpec) -> AsyncIterator[Admitted | Event]:
+        entry, request = self.prepare(spec)
+        if self.in_flight >= self.settings.max_queued_requests:
+            raise ResourceExhausted(
+                f"{self.in_flight} requests in flight, the limit is "
+                f"{self.settings.max_queued_requests}",
+                reason="QUEUE_FULL",
+                retry_after_s=1.0,
+                metadata={"in_flight": str(self.in_flight),
+                          "limit": str(self.settings.max_queued_requests)},
+            )
+        if spec.admission_ticket and self.reservations.redeem(spec.admission_ticket) is None:
+            raise NotFound(f"admission_ticket '{spec.admission_ticket}' is unknown or expired",
+                           "admission_ticket")
+        self.governor.note_activity()
+        with tracer().start_as_current_span(names.SPAN_GENERATE) as span:
+            span.set_attribute(names.ATTR_REQUEST_ID, request.request_id)
+            span.set_attribute(names.ATTR_MODEL, entry.model_id)
+            span.set_attribute(names.ATTR_PROMPT_TOKENS, len(request.prompt_tokens))
+            self.in_flight += 1
+            self.pool.acquire(entry)
+            session = request.session_id or None
+            self.active.begin(session)
+            slot: AdmissionSlot | None = None
+            try:
+                slot = await self._wait_for_slot()
+                await self._admit(entry, request)
+                cache, cached = self._restore(entry, request)
+                span.set_attribute(names.ATTR_CACHED_TOKENS, cached)
+                async for event in self._stream(entry, request, cache, cached, span):
+                    yield event
+            finally:
+                if slot is not None:
+                    slot.release()
+                self.active.end(session)
+                self.in_flight -= 1
+                self.pool.release(entry)
+
+    async def _wait_for_slot(self) -> AdmissionSlot:
+        result = await self.queue.acquire(self.settings.admission_timeout_s)
+        if result.outcome is QueueOutcome.ADMITTED and result.slot is not None:
+            return result.slot
+        full = result.outcome is QueueOutcome.QUEUE_FULL
+        level = self.governor.level.label
+        self.metrics.admitted("queue_full" if full else "wait_timeout", "")
+        raise ResourceExhausted(
+            ("admission queue is full" if full else
+             f"waited {result.waited_s:.1f}s for admission ({result.binding})")
+            + f"; level {level}",
+            reason="QUEUE_FULL" if full else "MEMORY_PRESSURE",
+            retry_after_s=result.retry_after_s or 1.0,
+            metadata={"binding": result.binding or "", "level": level,
+                      "waiting": str(self.queue.waiting)},
+        )
+
+    async def _admit(self, entry: ModelEntry, request: GenerationRequest) -> None:
+        result = await self.governor.admit(self._admission_request(entry, request, True))
+        if result is None:
+            return  # nothing could be measured: the engine's prefill guard still holds
+        self.metrics.admitted(result.verdict.value, entry.model_id)
+        if result.admitted:
+            return
+        refusal = result.refusal
+        numbers = {k: str(v) for k, v in (refusal.numbers if refusal else {}).items()}
+        raise ResourceExhausted(
+            f"refused before prefill: {result.reason}",
+            reason=result.error_reason or "MEMORY_PRESSURE",
+            retry_after_s=result.retry_after_s or 2.0,
+            metadata={"binding": result.binding or "",
+                      "tried": ",".join(result.tried), **numbers},
+        )
+
+    def _restore(self, entry: ModelEntry, request: GenerationRequest) -> tuple[list | None, int]:
+        if not (self.settings.session_bank and request.session_id):
+            return None, 0
+        restored = self.bank.longest_prefix(entry.model_id, request.prompt_tokens)
+        if restored is None:
+            return None, 0
+        return restored.payload, restored.prefix_len
+
+    async def _stream(self, entry, request, cache, cached, span):
+        engine = entry.engine
+        if engine is None:
+            raise Unavailable(f"model '{entry.model_id}' was unloaded", retry_after_s=1.0)
+        sink: asyncio.Queue[Event] = asyncio.Queue()
+        done = False
+        try:
+            engine.submit(request, sink, cache, cached)
+            yield Admitted(request.request_id, entry.model_id, len(request.prompt_tokens),
+                           cached, self.governor.level)
+            pending: Event | None = None
+            while True:
+                event = pending or await sink.get()
+                pending = None
+                if isinstance(event, Chunk):
+                    # Coalesce what queued up while the client was reading.
+                    limit = request.max_tokens_per_chunk or DEFAULT_CHUNK_TOKENS
+                    while not sink.empty() and len(event.token_ids) < limit:
+                        nxt = sink.get_nowait()
+                        if not isinstance(nxt, Chunk):
+                            pending = nxt
+                            break
+                        event = Chunk(event.token_ids + nxt.token_ids, event.text + nxt.text)
+                    yield event
+                    continue
+                done = True
+                if isinstance(event, Failed):
+                    span.set_attribute(names.ATTR_REASON, str(event.error))
+                    raise event.error
+                span.set_attribute(names.ATTR_FINISH_REASON, event.reason.value)
+                span.set_attribute(names.ATTR_COMPLETION_TOKENS, event.completion_tokens)
+                self.metrics.finished(entry.model_id, event.ttft_seconds,
+                                      event.completion_tokens)
+                yield event
+                return
+        finally:
+            if not done:
+                # The client cancelled or its deadline passed: free the batch slot.
+                engine.cancel(request.request_id)
+
+    # -- sessions ---------------------------------------------------------------------------
+    def store_session(self, request: GenerationRequest, cache: list, tokens: list[int]) -> None:
+        """On the engine thread, when a session's turn ends: keep its terminal snapshot."""
+        if not (self.settings.session_bank and request.session_id and tokens):
+            return
+        nbytes = sum(c.nbytes for c in cache)
+        self.bank.put(SessionEntry(model=request.model_id, tokens=tuple(tokens),
+                                   session_id=request.session_id, payload=cache,
+                                   nbytes=nbytes))
+
+
+def tokenize(tokenizer, spec: GenerateSpec) -> list[int]:
+    given = [x is not None for x in (spec.text, spec.token_ids, spec.chat)]
+    if sum(given) != 1:
+        raise InvalidArgument("prompt: set exactly one of text, token_ids or chat", "prompt")
+    if spec.text is not None:
+        if not spec.text:
+            raise InvalidArgument("prompt.text is empty", "text")
+        return list(tokenizer.encode(spec.text))
+    if spec.token_ids is not None:
+        if not spec.token_ids:
+            raise InvalidArgument("prompt.token_ids.ids is empty", "token_ids.ids")
+        return list(spec.token_ids)
+    if not spec.chat:
+        raise InvalidArgument("prompt.chat.messages is empty", "chat.messages")
+    for i, m in enumerate(spec.chat):
+        if m.role not in ("system", "user", "assistant", "tool"):
+            raise InvalidArgument(
+                f"chat.messages[{i}].role must be system, user, assistant or tool, "
+                f"got '{m.role}'",
+                f"chat.messages[{i}].role",
+            )
+    if not tokenizer.has_chat_template:
+        raise InvalidArgument("this model's tokenizer has no chat template; send text",
+                              "chat")
+    messages = [{"role": m.role, "content": m.content} for m in spec.chat]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))

@@ -1,0 +1,174 @@
+"""TtlMap (the one TTL map), and what is built on it: Leases and the ReservationBook."""
+
+from __future__ import annotations
+
+import pytest
+
+from sessions.activity import ActiveSessions
+from sessions.leases import Lease, Leases
+from sessions.reservations import DEFAULT_RESERVATION_TTL_S, ReservationBook
+from sessions.ttl import Held, TtlMap
+from tests.support.clock import FakeClock
+
+
+def counter_ids(prefix: str):
+    n = iter(range(1, 1000))
+    return lambda: f"{prefix}{next(n)}"
+
+
+# -- TtlMap ---------------------------------------------------------------------------
+
+
+def test_put_get_live_and_len():
+    clock = FakeClock(0.0)
+    m: TtlMap[str] = TtlMap(clock)
+    held = m.put("a", "A", 10.0)
+    assert held == Held("A", 0.0, 10.0)
+    assert m.put("b", "B", None) == Held("B", 0.0, None)  # None: until removed
+    assert m.put("c", "C", 0) == Held("C", 0.0, None)  # 0 as well
+    assert m.get("a") == held and m.get("zz") is None
+    assert sorted(h.value for h in m.live()) == ["A", "B", "C"] and len(m) == 3
+    assert m.now() == 0.0
+
+
+def test_reads_expire_on_time_without_calling_expire():
+    clock = FakeClock(0.0)
+    m: TtlMap[str] = TtlMap(clock)
+    m.put("a", "A", 10.0)
+    m.put("b", "B", None)
+    clock.set(9.999)
+    assert m.get("a") is not None and len(m) == 2
+    clock.set(10.0)  # the expiry instant itself is no longer live
+    assert m.get("a") is None
+    assert [h.value for h in m.live()] == ["B"] and len(m) == 1
+    clock.set(1e9)
+    assert m.get("b") is not None  # no TTL: never expires
+    # expire() drops what is already unreadable and returns it.
+    assert [h.value for h in m.expire()] == ["A"] and m.expire() == []
+
+
+def test_pop_of_an_expired_entry_is_none_and_drops_it():
+    clock = FakeClock(0.0)
+    m: TtlMap[str] = TtlMap(clock)
+    m.put("a", "A", 5.0)
+    m.put("b", "B", 5.0)
+    assert m.pop("b") == Held("B", 0.0, 5.0) and m.pop("b") is None  # single use
+    clock.set(6.0)
+    assert m.pop("a") is None
+    assert m.expire() == []  # the pop removed it, live or not
+    assert m.pop("never") is None
+
+
+def test_negative_ttl_is_rejected():
+    m: TtlMap[int] = TtlMap(FakeClock())
+    with pytest.raises(ValueError, match="ttl must be >= 0"):
+        m.put("a", 1, -0.5)
+    assert len(m) == 0
+
+
+def test_put_again_replaces_and_restarts_the_ttl():
+    clock = FakeClock(0.0)
+    m: TtlMap[str] = TtlMap(clock)
+    m.put("a", "old", 5.0)
+    clock.set(4.0)
+    m.put("a", "new", 5.0)
+    clock.set(8.0)
+    assert m.get("a") == Held("new", 4.0, 9.0)
+
+
+# -- Leases -------------------------------------------------------------------------------
+
+
+def test_model_and_session_leases():
+    clock = FakeClock(100.0)
+    leases = Leases(clock, id_factory=counter_ids("L"))
+    a = leases.pin_model("llama", owner="ops", ttl_s=30)
+    b = leases.pin_model("llama", owner="batch")
+    c = leases.pin_session("conv-1", owner="app", ttl_s=10)
+    assert a.lease == Lease("L1", "ops", model_id="llama")
+    assert (a.lease_id, a.created_at, a.expires_at) == ("L1", 100.0, 130.0)
+    assert b.expires_at is None
+    assert c.lease == Lease("L3", "app", session_id="conv-1")
+    assert leases.model_count("llama") == 2 and leases.model_count("other") == 0
+    assert leases.pinned_sessions() == frozenset({"conv-1"})
+    assert [h.lease_id for h in leases.leases()] == ["L1", "L2", "L3"]
+
+
+def test_expired_leases_no_longer_pin():
+    clock = FakeClock(0.0)
+    leases = Leases(clock, id_factory=counter_ids("L"))
+    leases.pin_model("m", ttl_s=30)
+    leases.pin_session("s", ttl_s=10)
+    leases.pin_session("s", ttl_s=20)  # two leases on one session
+    clock.set(10.0)
+    assert leases.pinned_sessions() == frozenset({"s"})  # the second still holds it
+    clock.set(20.0)
+    assert leases.pinned_sessions() == frozenset() and leases.model_count("m") == 1
+    clock.set(30.0)
+    assert leases.model_count("m") == 0 and leases.leases() == []
+    assert sorted(h.lease_id for h in leases.expire()) == ["L1", "L2", "L3"]
+
+
+def test_unpin_returns_the_lease_once():
+    leases = Leases(FakeClock(), id_factory=counter_ids("L"))
+    held = leases.pin_model("m")
+    assert leases.unpin(held.lease_id) == held and leases.unpin(held.lease_id) is None
+    assert leases.model_count("m") == 0 and leases.unpin("nope") is None
+
+
+def test_active_sessions_unite_in_flight_and_pinned():
+    clock = FakeClock(0.0)
+    leases = Leases(clock)
+    active = ActiveSessions(leases)
+    leases.pin_session("pinned", ttl_s=5)
+    with active.track("running"):
+        active.begin("running")
+        assert active() == frozenset({"running", "pinned"})
+        active.end("running")
+        assert active.in_flight_ids() == frozenset({"running"})  # one request still runs
+    with active.track(None):  # anonymous requests are not sessions
+        assert active() == frozenset({"pinned"})
+    clock.set(5.0)
+    assert active() == frozenset()
+
+
+# -- ReservationBook ----------------------------------------------------------------------
+
+
+def test_reservations_count_against_others_and_expire():
+    clock = FakeClock(0.0)
+    book = ReservationBook(clock, id_factory=counter_ids("t"))
+    r1 = book.reserve(1000, "m")  # default TTL 30 s
+    r2 = book.reserve(300, "m2", ttl_s=10)
+    assert DEFAULT_RESERVATION_TTL_S == 30.0
+    assert (r1.ticket, r1.expires_at, r2.expires_at) == ("t1", 30.0, 10.0)
+    assert book.reserved_bytes() == 1300
+    assert book.reserved_bytes(excluding="t1") == 300
+    assert book.reserved_bytes(model="m") == 1000
+    clock.set(10.0)
+    assert book.reserved_bytes() == 1000  # t2 expired: no longer counted
+    assert len(book) == 1  # ... nor listed, before anyone calls expire()
+    assert [r.ticket for r in book.expire()] == ["t2"] and len(book) == 1
+    assert book.get("t1") == r1
+    assert book.redeem("t1") == r1 and book.redeem("t1") is None  # single use
+    r3 = book.reserve(5, "m", ttl_s=1)
+    clock.set(11.0)
+    assert book.get("t3") is None and book.redeem(r3.ticket) is None  # expired at redeem
+    with pytest.raises(ValueError):
+        book.reserve(-1, "m")
+
+
+def test_reservation_ttl_zero_means_default_and_negative_is_rejected():
+    clock = FakeClock(0.0)
+    book = ReservationBook(clock, default_ttl_s=7.0, id_factory=counter_ids("t"))
+    assert book.reserve(1, "m", ttl_s=0).expires_at == 7.0
+    with pytest.raises(ValueError, match="ttl_s must be > 0"):
+        book.reserve(1, "m", ttl_s=-1)
+    with pytest.raises(ValueError):
+        ReservationBook(clock, default_ttl_s=0).reserve(1, "m")
+
+
+def test_cancel_releases_the_bytes():
+    book = ReservationBook(FakeClock(0.0), id_factory=counter_ids("t"))
+    r = book.reserve(50, "m")
+    assert book.cancel(r.ticket) == r and book.reserved_bytes() == 0 and len(book) == 0
