@@ -18,7 +18,7 @@ from memory import actions as act
 from memory.actions import Action, Outcome
 from memory.plans.steps import AdmissionQuery, Snapshot
 from memory.protocols import AdmissionDesk, EngineHandle, EnginePool, ReadingsSource, SessionTier
-from memory.readings import MlxFigures
+from memory.readings import MemoryReadings, MlxFigures
 from memory.views import EngineState, EngineView
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,8 @@ class Executor:
         self._aux = dict(aux_caches or {})
         self._clock = clock
         self._handles: dict[str, EngineHandle] = {}
+        # (taken at, readings, engine views, MLX sample time) of the last measurement
+        self._last: tuple[float, MemoryReadings, tuple[EngineView, ...], float | None] | None = None
 
     @property
     def aux_cache_names(self) -> tuple[str, ...]:
@@ -68,19 +70,31 @@ class Executor:
 
     # -- measuring ------------------------------------------------------------------
     async def measure(self, query: AdmissionQuery | None = None,
-                      fresh_after: float = float("-inf")) -> Snapshot:
+                      fresh_after: float = float("-inf"), max_age_s: float = 0.0) -> Snapshot:
         """Readings now. MLX figures come from the engines' samples taken after
         `fresh_after` (the end of the last action that freed memory) and not older
-        than MAX_SAMPLE_AGE_S; an engine with no such sample is asked for one."""
-        try:
-            handles = list(self._pool.handles())
-        except Exception:
-            log.exception("engine pool handles() failed; measuring without engines")
-            handles = []
-        self._handles = {h.model_id: h for h in handles}
-        views = tuple(self._view(h) for h in handles)
-        mlx = await self._mlx_figures(handles, fresh_after)
-        readings = self._reader.read(mlx)
+        than MAX_SAMPLE_AGE_S; an engine with no such sample is asked for one.
+
+        `max_age_s`: readings taken at most this long ago (and after `fresh_after`)
+        may serve again, so a burst of admissions shares one; the bank's figures for
+        the query are always fresh."""
+        now = self._clock()
+        last = self._last
+        if (max_age_s > 0 and last is not None and now - last[0] <= max_age_s
+                and last[0] >= fresh_after):
+            _, readings, views, mlx_at = last
+        else:
+            try:
+                handles = list(self._pool.handles())
+            except Exception:
+                log.exception("engine pool handles() failed; measuring without engines")
+                handles = []
+            self._handles = {h.model_id: h for h in handles}
+            views = tuple(self._view(h) for h in handles)
+            mlx = await self._mlx_figures(handles, fresh_after)
+            readings = self._reader.read(mlx)
+            mlx_at = mlx.at if mlx is not None else None
+            self._last = (self._clock(), readings, views, mlx_at)
         bank = self._bank
         figures = None
         pinned: tuple[str, ...] = ()
@@ -99,7 +113,7 @@ class Executor:
             reserved_bytes=desk.reserved_bytes() if desk is not None else 0,
             queue=desk.queue_view() if desk is not None else None,
             pinned_sessions=pinned,
-            mlx_sampled_at=mlx.at if mlx is not None else None,
+            mlx_sampled_at=mlx_at,
         )
 
     async def _mlx_figures(self, handles: Sequence[EngineHandle],

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from memory.actions import (
     FREEING_ACTIONS,
+    MEASURE_ADMISSION,
     Action,
     Outcome,
     PauseAdmission,
@@ -52,6 +53,9 @@ from telemetry import names
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
+
+# How long one reading may serve the admissions of a burst (nothing freed meanwhile).
+ADMISSION_READING_SHARE_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -330,8 +334,11 @@ class Governor:
                 if preview is not None and latest is not None:
                     reply = latest  # a preview predicts instead of measuring again
                     continue
+                # A burst of admissions shares one reading; every other measurement
+                # is taken anew.
+                share = ADMISSION_READING_SHARE_S if step.reason == MEASURE_ADMISSION else 0.0
                 try:
-                    latest = await self._executor.measure(step.query, self._fresh_after)
+                    latest = await self._executor.measure(step.query, self._fresh_after, share)
                 except Exception:
                     log.exception("memory reading failed (%s); plan abandoned", step.reason)
                     gen.close()

@@ -44,7 +44,7 @@ class AdmissionSlot:
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._queue._release()
+            self._queue.give_back()
 
 
 @dataclass(frozen=True)
@@ -137,13 +137,14 @@ class AdmissionQueue:
     def _abandon(self, fut: asyncio.Future[None]) -> None:
         """A waiter gives up: if it was granted meanwhile, hand the slot back."""
         if fut.done() and not fut.cancelled():
-            self._release()
+            self.give_back()
             return
         with contextlib.suppress(ValueError):
             self._waiters.remove(fut)
         fut.cancel()
 
-    def _release(self) -> None:
+    def give_back(self) -> None:
+        """A slot is released: the next waiter may go."""
         self._in_flight = max(0, self._in_flight - 1)
         self._pump()
 
