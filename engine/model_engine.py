@@ -14,6 +14,7 @@ import contextlib
 import gc
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -72,6 +73,13 @@ class _Live:
     prefilled: int = 0  # prompt tokens processed so far (cached ones excluded)
 
 
+@dataclass(frozen=True)
+class RequestStat:
+    request_id: str
+    started_at: float  # monotonic, when the request was created
+    tokens: int  # tokens it holds in KV
+
+
 @dataclass
 class EngineStats:
     """What other threads may read about the engine without touching MLX.
@@ -83,9 +91,8 @@ class EngineStats:
     # Inserts taken from the inbox but not yet in the batch (over batch_cap). Inserts
     # still in the inbox are not counted: the pool's ModelEntry.in_use covers them.
     waiting_requests: int = 0
-    request_ids: tuple[str, ...] = ()
-    request_started: tuple[float, ...] = ()
-    request_tokens: tuple[int, ...] = ()  # tokens each request holds in KV
+    # One tuple replaced whole, so a reader on another thread never mixes two steps.
+    requests: tuple[RequestStat, ...] = ()
     mlx_active_bytes: int = 0
     mlx_pool_bytes: int = 0
     sampled_at: float = 0.0
@@ -101,6 +108,23 @@ class MlxSample:
     active_bytes: int
     pool_bytes: int
     at: float
+    device_limit_bytes: int | None = None  # the device's cap, when MLX runs on one
+    device_source: str | None = None
+
+
+def _device_limit() -> tuple[int | None, str | None]:
+    """The device's memory cap as MLX reports it (on the engine thread): the Metal
+    recommended working set on macOS, device memory on CUDA; none on a CPU."""
+    try:
+        info = mx.device_info()
+    except Exception:  # no device: no device term
+        return None, None
+    key = ("max_recommended_working_set_size" if sys.platform == "darwin"
+           else "total_memory")
+    value = info.get(key)
+    if isinstance(value, int) and value > 0:
+        return value, f"mlx device_info {key}"
+    return None, None
 
 
 @dataclass(frozen=True)
@@ -194,13 +218,12 @@ class ModelEngine:
         # Called on the engine thread after a pre-chunk abort ended a request.
         self.on_prefill_abort: Callable[[PrefillAbortReport], None] | None = None
         self._sample: MlxSample | None = None
+        self._device: tuple[int | None, str | None] = (None, None)  # probed on the thread
         self._sample_waiters: queue.SimpleQueue[concurrent.futures.Future[MlxSample]] = (
             queue.SimpleQueue())
         self._outbox: list[tuple[asyncio.Queue, Event]] = []
         self._urgent = False
         self._last_delivery = 0.0
-        self._reclaim_waiters: queue.SimpleQueue[threading.Event] = queue.SimpleQueue()
-        self._last_reclaimed = 0
 
     # -- called from any thread -------------------------------------------------
     def start(self) -> concurrent.futures.Future[ModelFacts]:
@@ -263,16 +286,6 @@ class ModelEngine:
         self._pressure_reclaim = True
         return self._thread.is_alive()
 
-    def reclaim_now(self, timeout: float = 0.5) -> int:
-        """Blocks (never on the event loop) until the engine thread has drained the MLX
-        pool at its next step boundary; returns the bytes it freed."""
-        done = threading.Event()
-        self._reclaim_waiters.put(done)
-        self._pressure_reclaim = True
-        if not self._thread.is_alive() or not done.wait(timeout):
-            return 0
-        return self._last_reclaimed
-
     def request_idle_reclaim(self) -> None:
         self._idle_reclaim = True
 
@@ -311,6 +324,7 @@ class ModelEngine:
 
     # -- the engine thread ----------------------------------------------------------
     def _run(self) -> None:
+        self._device = _device_limit()
         before = mx.get_active_memory()
         try:
             info = self._load()
@@ -662,18 +676,15 @@ class ModelEngine:
             _settle(done, self._sample)
 
     def _reclaim_pool(self) -> None:
-        pooled = mx.get_cache_memory()
         mx.synchronize()
         mx.clear_cache()
         # Small buffers (a short session's KV) live on the C heap: hand those pages
         # back too, or usage never drops and admission sheds on and on.
         allocator.trim()
-        self._last_reclaimed = max(0, pooled - mx.get_cache_memory())
-        for waiter in _take_all(self._reclaim_waiters):
-            waiter.set()
 
     def _read_sample(self) -> MlxSample:
-        return MlxSample(mx.get_active_memory(), mx.get_cache_memory(), time.monotonic())
+        return MlxSample(mx.get_active_memory(), mx.get_cache_memory(), time.monotonic(),
+                         *self._device)
 
     def _sample_memory(self) -> None:
         sample = self._read_sample()
@@ -686,10 +697,10 @@ class ModelEngine:
         items = list(live.values())
         self.stats.active_requests = len(items)
         self.stats.waiting_requests = len(self._held)
-        self.stats.request_ids = tuple(i.request.request_id for i in items)
-        self.stats.request_started = tuple(i.request.created_at for i in items)
-        self.stats.request_tokens = tuple(len(i.request.prompt_tokens) + i.generated
-                                          for i in items)
+        self.stats.requests = tuple(
+            RequestStat(i.request.request_id, i.request.created_at,
+                        len(i.request.prompt_tokens) + i.generated)
+            for i in items)
 
 
 def _put_all(outbox: list[tuple[asyncio.Queue, Event]]) -> None:

@@ -312,15 +312,25 @@ class ModelPool:
                 reason="MODEL_UNLOADED",
                 metadata={"model": entry.model_id},
             )
+            # Shielded: a caller cancelled half way (a client gone, a deadline passed)
+            # must not leave the model UNLOADING with its engine stopped under it.
+            freed = await asyncio.shield(
+                asyncio.ensure_future(self._stop_engine(entry, engine, error, reason)))
+            span.set_attribute(names.ATTR_BYTES_FREED, freed)
+        return UnloadResult(freed_bytes=freed, aborted_requests=active)
+
+    async def _stop_engine(self, entry: ModelEntry, engine: ModelEngine, error: Aborted,
+                           reason: str) -> int:
+        try:
             freed = await asyncio.wrap_future(engine.stop(error))
+        finally:
             entry.engine = None
             entry.state = ModelState.UNLOADED
             entry.in_use = 0
             entry.pending_unload_reason = ""
-            span.set_attribute(names.ATTR_BYTES_FREED, freed)
+            self._notify()
         log.info("unloaded %s (%s): freed %d bytes", entry.model_id, reason, freed)
-        self._notify()
-        return UnloadResult(freed_bytes=freed, aborted_requests=active)
+        return freed
 
     async def close(self) -> None:
         for task in list(self._pending_unloads.values()):

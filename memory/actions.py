@@ -186,6 +186,11 @@ class Refuse:
 
 
 @dataclass(frozen=True)
+class RefuseLoad(Refuse):
+    """A model load that cannot fit: refused before anything is loaded."""
+
+
+@dataclass(frozen=True)
 class PrefillAborted:
     """Reported by an engine thread: it ended a request before a prefill chunk that
     would cross the pre-chunk abort margin. Recorded, never performed."""
@@ -229,6 +234,7 @@ Action = (
     | AdjustBatchCap
     | PropagateLimits
     | Refuse
+    | RefuseLoad
     | PrefillAborted
     | Transition
 )

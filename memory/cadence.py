@@ -1,4 +1,4 @@
-"""How often the enforcer polls, and the activity hint `wake(active=True)` opens. Pure."""
+"""How often the enforcer polls, and the activity hint every `wake()` extends. Pure."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from memory.levels import (
 )
 from memory.views import EngineView
 
-# OS pressure reports that keep the enforcer on the fast cadence (beyond oMLX:
-# the kernel often sees trouble before our own figures cross a mark).
+# OS pressure reports that keep the enforcer on the fast cadence: the kernel
+# often sees trouble before our own figures cross a mark.
 FAST_OS_PRESSURE = frozenset({"warning", "critical"})
 
 
@@ -45,5 +45,5 @@ def poll_interval(
 
 
 def extend_activity_hint(now: float, hint_until: float, active_s: float = ACTIVE_POLL_S) -> float:
-    """`wake(active=True)`: keep polling fast for at least max(2 s, 2 × the active interval)."""
+    """Every `wake()`: keep polling fast for at least max(2 s, 2 × the active interval)."""
     return max(hint_until, now + max(ACTIVITY_HINT_MIN_S, 2.0 * active_s))

@@ -5,8 +5,8 @@ of the hard ceiling — the one recomputed every tick, dynamic term included —
 (0.90 safe, 0.92 balanced, 0.97 aggressive, 0.95 custom), clamped to
 [min_chunk, max_chunk]: it shrinks as projected usage nears that line. Before
 each chunk, `should_abort_before_chunk` checks the projected usage against the
-pre-chunk abort margin (0.90, 0.93, 0.97, 0.95) of the stable abort cap, as
-oMLX keeps it, and never lets a chunk run past the ceiling itself.
+pre-chunk abort margin (0.90, 0.93, 0.97, 0.95) of the stable abort cap, and
+never lets a chunk run past the ceiling itself.
 
 The per-token cost is an EWMA of measured bytes per prefilled token with the
 model's static estimate (KV bytes per token + transient) as a floor, so one

@@ -37,8 +37,7 @@ MAX_RESUME_BAND_FRACTION = 0.2
 class AbortOrder(enum.StrEnum):
     """Which requests a non-emergency abort ends.
 
-    ALL (default) is oMLX's behaviour and the seed's: the victim's requests are
-    all aborted. YOUNGEST / LARGEST are graded relief: end requests one by one
+    ALL (default): the victim's requests are all aborted. YOUNGEST / LARGEST are graded relief: end requests one by one
     (youngest start time first, or largest byte estimate first) until the
     estimated bytes cover the deficit; an unknown estimate ends the batch so
     the next tick re-measures before ending more.
@@ -60,7 +59,7 @@ class MemoryConfig:
     active_poll_s: float = ACTIVE_POLL_S
     idle_poll_s: float = IDLE_POLL_S
     empty_poll_s: float = EMPTY_POLL_S
-    # Beyond the seed, opt-in: after pressure, admission resumes only once usage is
+    # Opt-in: after pressure, admission resumes only once usage is
     # this share of the ceiling below the soft mark. The level itself is ok below soft.
     resume_band_fraction: float = 0.0
     abort_order: AbortOrder = AbortOrder.ALL
@@ -147,8 +146,7 @@ class MemoryConfig:
 
         ``operator_cap_gib`` is accepted as an alias of ``operator_cap_bytes``.
         A None value means "not given" (an unset CLI flag) and keeps the default.
-        Giving ``custom_ceiling_gib`` without ``tier`` selects tier custom (as
-        oMLX's ``--memory-guard-gb`` does).
+        Giving ``custom_ceiling_gib`` without ``tier`` selects tier custom.
         """
         values: dict[str, Any] = {}
         unknown: list[str] = []

@@ -9,6 +9,7 @@ Everything here is reached through `memory.protocols`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -70,14 +71,16 @@ class Executor:
 
     # -- measuring ------------------------------------------------------------------
     async def measure(self, query: AdmissionQuery | None = None,
-                      fresh_after: float = float("-inf"), max_age_s: float = 0.0) -> Snapshot:
+                      fresh_after: float = float("-inf"), max_age_s: float = 0.0,
+                      keep: bool = True) -> Snapshot:
         """Readings now. MLX figures come from the engines' samples taken after
         `fresh_after` (the end of the last action that freed memory) and not older
         than MAX_SAMPLE_AGE_S; an engine with no such sample is asked for one.
 
         `max_age_s`: readings taken at most this long ago (and after `fresh_after`)
         may serve again, so a burst of admissions shares one; the bank's figures for
-        the query are always fresh."""
+        the query are always fresh. `keep`: remember the engines and the readings for
+        the actions that follow (a preview keeps nothing)."""
         now = self._clock()
         last = self._last
         if (max_age_s > 0 and last is not None and now - last[0] <= max_age_s
@@ -89,12 +92,13 @@ class Executor:
             except Exception:
                 log.exception("engine pool handles() failed; measuring without engines")
                 handles = []
-            self._handles = {h.model_id: h for h in handles}
             views = tuple(self._view(h) for h in handles)
-            mlx = await self._mlx_figures(handles, fresh_after)
+            mlx = await self._mlx_figures(handles, views, fresh_after)
             readings = self._reader.read(mlx)
             mlx_at = mlx.at if mlx is not None else None
-            self._last = (self._clock(), readings, views, mlx_at)
+            if keep:
+                self._handles = {h.model_id: h for h in handles}
+                self._last = (self._clock(), readings, views, mlx_at)
         bank = self._bank
         figures = None
         pinned: tuple[str, ...] = ()
@@ -116,26 +120,35 @@ class Executor:
             mlx_sampled_at=mlx_at,
         )
 
-    async def _mlx_figures(self, handles: Sequence[EngineHandle],
+    async def _mlx_figures(self, handles: Sequence[EngineHandle], views: Sequence[EngineView],
                            fresh_after: float) -> MlxFigures | None:
         now = self._clock()
-        fresh: list[MlxFigures] = []
-        for handle in handles:
+
+        async def sample_of(handle: EngineHandle, view: EngineView) -> MlxFigures | None:
             try:
                 sample = handle.mlx_sample()
-                if sample is None or sample.at < fresh_after or now - sample.at > MAX_SAMPLE_AGE_S:
+                stale = (sample is None or sample.at < fresh_after
+                         or now - sample.at > MAX_SAMPLE_AGE_S)
+                if stale and not view.loading:  # a loading engine samples only when done
                     sample = await handle.fresh_sample(FRESH_SAMPLE_WAIT_S)
             except Exception:
                 log.exception("engine %s MLX sample failed", handle.model_id)
-                continue
-            if sample is not None and sample.at >= fresh_after:
-                fresh.append(sample)
+                return None
+            if sample is None or sample.at < fresh_after or now - sample.at > MAX_SAMPLE_AGE_S:
+                return None
+            return sample
+
+        got = await asyncio.gather(*(sample_of(h, v) for h, v in zip(handles, views, strict=True)))
+        fresh = [s for s in got if s is not None]
         if not fresh:
             return None
         # MLX's allocator is process-wide: each engine reports the same figures at
         # different moments; the largest is the safe one.
+        device = next((s for s in fresh if s.device_limit_bytes), None)
         return MlxFigures(max(s.active_bytes for s in fresh), max(s.pool_bytes for s in fresh),
-                          min(s.at for s in fresh))
+                          min(s.at for s in fresh),
+                          device.device_limit_bytes if device else None,
+                          device.device_source if device else None)
 
     @staticmethod
     def _view(handle: EngineHandle) -> EngineView:

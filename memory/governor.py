@@ -278,21 +278,32 @@ class Governor:
     async def make_room_for_load(self, model_id: str, estimate: int) -> LoadResult:
         """Before a load: evict idle LRU models down to soft, or refuse with the numbers."""
         self.wake()
-        async with self._lock():
-            result = await self.run_plan(load_plan(model_id, estimate, self._config))
+        result = await self._decide(lambda: load_plan(model_id, estimate, self._config))
         return result if result is not None else LoadResult()
 
     async def admit(self, request: AdmissionRequest, *, preview: bool = False
                     ) -> AdmissionResult | None:
         """Admission for one request: live (Generate) or as a prediction (Admit).
         None when no measurement could be taken."""
-        plan = admission_plan(
-            request, self._config, self.admission_settings, self._gate_level(),
-            bank_budget_bytes=self._state.bank_ceiling_bytes, preview=preview)
+        def plan() -> Generator[Step, Any, AdmissionResult]:
+            return admission_plan(
+                request, self._config, self.admission_settings, self._state.level,
+                gate_level=self._gate_level(), bank_budget_bytes=self._state.bank_ceiling_bytes,
+                preview=preview)
+
         if preview:
-            return await self.run_plan(plan, preview=PreviewContext())
-        async with self._lock():
-            return await self.run_plan(plan)
+            return await self.run_plan(plan(), preview=PreviewContext())
+        return await self._decide(plan)
+
+    async def _decide(self, make_plan: Callable[[], Generator[Step, Any, R]]) -> R | None:
+        """Run a live plan under the decision lock, in a task of the governor's own: a
+        caller that is cancelled (a client gone, a deadline passed) stops waiting, but
+        an eviction half way through still finishes and is recorded."""
+        async def decide() -> R | None:
+            async with self._lock():
+                return await self.run_plan(make_plan())  # built with the lock held
+
+        return await asyncio.shield(asyncio.ensure_future(decide()))
 
     def _gate_level(self) -> PressureLevel:
         """The level the admission gate pauses at: ok once admission resumed; while
@@ -338,7 +349,8 @@ class Governor:
                 # is taken anew.
                 share = ADMISSION_READING_SHARE_S if step.reason == MEASURE_ADMISSION else 0.0
                 try:
-                    latest = await self._executor.measure(step.query, self._fresh_after, share)
+                    latest = await self._executor.measure(step.query, self._fresh_after, share,
+                                                          keep=preview is None)
                 except Exception:
                     log.exception("memory reading failed (%s); plan abandoned", step.reason)
                     gen.close()

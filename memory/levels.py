@@ -1,7 +1,7 @@
 """Pressure levels, tiers and the constants of the memory policy.
 
 Every number the enforcer, the ceiling and the prefill chunk sizer use is named
-here, with the tier tables of the seed's enforcer. Nothing in this module does I/O.
+here, with the tier tables. Nothing in this module does I/O.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class PressureLevel(enum.IntEnum):
 
 
 class Tier(enum.StrEnum):
-    """How much of the machine the process may take (oMLX ``memory_guard_tier``)."""
+    """How much of the machine the process may take."""
 
     SAFE = "safe"
     BALANCED = "balanced"
@@ -51,7 +51,7 @@ STATIC_RESERVE_LARGE_BYTES: Mapping[Tier, int] = MappingProxyType(
     {Tier.SAFE: 8 * GIB, Tier.BALANCED: 6 * GIB, Tier.AGGRESSIVE: 4 * GIB}
 )
 STATIC_RESERVE_CUSTOM_BYTES = 2 * GIB  # custom tier, any machine size
-# Beyond oMLX: never reserve more than half of a tiny machine, so a 4 GiB VM
+# Never reserve more than half of a tiny machine, so a 4 GiB VM
 # still gets a usable static term instead of zero.
 STATIC_RESERVE_MAX_FRACTION = 0.5
 

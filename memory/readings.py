@@ -55,6 +55,8 @@ class MlxFigures:
     active_bytes: int
     pool_bytes: int
     at: float  # monotonic seconds when sampled
+    device_limit_bytes: int | None = None  # the Metal working set / CUDA memory, if any
+    device_source: str | None = None
 
 
 MlxSample = MlxFigures
@@ -419,6 +421,7 @@ class MemoryReader:
         self._pressure_source: str | None = None
         if self._linux:
             self._discover_linux(proc_root, cgroup_root)
+        self._probe = probe_device
         self._device_limit, self._device_source = (
             self._probe_device() if probe_device else (None, None)
         )
@@ -448,26 +451,19 @@ class MemoryReader:
             probe.close()
 
     def _probe_device(self) -> tuple[int | None, str | None]:
-        """The GPU cap, read once (it only changes when an operator changes a sysctl)."""
+        """The operator's GPU cap (macOS sysctl), read once. MLX's own device figure
+        comes with the engine threads' samples (MLX is theirs to call)."""
         if self._darwin and self._darwin_api is not None:
             wired_mb = self._darwin_api.sysctl_int("iogpu.wired_limit_mb")
             if wired_mb and wired_mb > 0:
                 return wired_mb * (1 << 20), "sysctl iogpu.wired_limit_mb"
-        try:
-            import mlx.core as mx
-
-            info = mx.device_info()
-        except Exception:  # MLX missing or no device: no device term
-            return None, None
-        if self._darwin:
-            value = info.get("max_recommended_working_set_size")
-            if isinstance(value, int) and value > 0:
-                return value, "mlx device_info max_recommended_working_set_size"
-            return None, None
-        value = info.get("total_memory")
-        if isinstance(value, int) and value > 0:
-            return value, "mlx device_info total_memory"
         return None, None
+
+    def _learn_device(self, mlx: MlxFigures | None) -> None:
+        # The device figure is static: kept once an engine has reported it.
+        if self._device_limit is None and mlx is not None and mlx.device_limit_bytes:
+            self._device_limit = mlx.device_limit_bytes
+            self._device_source = mlx.device_source or "mlx device_info"
 
     @property
     def total_bytes(self) -> int:
@@ -491,6 +487,8 @@ class MemoryReader:
     # -- reading --------------------------------------------------------------
     def read(self, mlx: MlxFigures | None = None) -> MemoryReadings:
         sources: dict[str, str] = {}
+        if self._probe:
+            self._learn_device(mlx)
         active, pool = self._read_mlx(mlx, sources)
         footprint = self._read_footprint(sources)
         available, free, inactive, act = self._read_system(sources)
@@ -651,19 +649,3 @@ def _read_text(path: str) -> str | None:
         return Path(path).read_text()
     except OSError:
         return None
-
-
-_default_reader: MemoryReader | None = None
-
-
-def default_reader() -> MemoryReader:
-    """A process-wide reader (discovery runs once)."""
-    global _default_reader
-    if _default_reader is None:
-        _default_reader = MemoryReader()
-    return _default_reader
-
-
-def read_memory(mlx: MlxFigures | None = None) -> MemoryReadings:
-    """Read memory now, with an engine thread's MLX figures when there are some."""
-    return default_reader().read(mlx)

@@ -44,6 +44,7 @@ TABLE: dict[type, Entry] = {
     act.AbortLoad: Entry(names.SPAN_LOAD_ABORT, "abort_load"),
     act.PrefillAborted: Entry(names.SPAN_PREFILL_ABORT, "prefill_abort"),
     act.Refuse: Entry(names.SPAN_ADMISSION_REFUSAL, "refuse"),
+    act.RefuseLoad: Entry(names.SPAN_LOAD_REFUSAL, "refuse_load"),
     act.PauseAdmission: Entry(None, "pause_admission"),
     act.ResumeAdmission: Entry(None, "resume_admission"),
     act.AdjustStoreCacheCap: Entry(None, "store_cache_cap"),

@@ -28,7 +28,7 @@ class EngineView:
     model_id: str
     state: EngineState = EngineState.READY
     pinned: bool = False
-    # None: the engine cannot report (treated as busy, like oMLX).
+    # None: the engine cannot report (treated as busy).
     active_requests: int | None = 0
     requests: tuple[RequestView, ...] = ()
     last_used: float = 0.0  # monotonic seconds; the LRU key

@@ -9,6 +9,7 @@ reservations, queue ───┘      ▲           ▲
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -16,19 +17,18 @@ from engine.pool import ModelPool
 from memory.config import MemoryConfig
 from memory.executor import Executor
 from memory.governor import Governor
-from memory.levels import PressureLevel
 from memory.plans.admission import AdmissionSettings, validate_scheduler_settings
 from memory.protocols import PressureSink, ReadingsSource
 from memory.readings import MemoryReader
-from memory.views import QueueView
 from service.aux_caches import server_aux_caches
 from service.control import ControlPlane
+from service.desk import AdmissionDesk
 from service.engines import PoolAdapter
 from service.generate import GeneratePipeline, PipelineSettings
 from service.lifecycle import Lifecycle
 from service.metrics import RequestMetrics
 from sessions.activity import ActiveSessions
-from sessions.admission import AdmissionQueue, queue_from_settings
+from sessions.admission import queue_from_settings
 from sessions.bank import SessionBank
 from sessions.leases import Leases
 from sessions.reservations import ReservationBook
@@ -52,28 +52,6 @@ class ServiceSettings:
     reservation_ttl_s: float = 30.0
 
 
-class AdmissionDesk:
-    """`memory.protocols.AdmissionDesk` over the queue, the reservations and the leases."""
-
-    def __init__(self, queue: AdmissionQueue, reservations: ReservationBook,
-                 leases: Leases) -> None:
-        self._queue = queue
-        self._reservations = reservations
-        self._leases = leases
-
-    def set_paused(self, level: PressureLevel | None) -> None:
-        self._queue.set_paused(level)
-
-    def queue_view(self) -> QueueView:
-        return self._queue.view()
-
-    def reserved_bytes(self) -> int:
-        return self._reservations.reserved_bytes()
-
-    def pinned_sessions(self) -> tuple[str, ...]:
-        return tuple(sorted(self._leases.pinned_sessions()))
-
-
 class Service:
     """Every part of a running Plimsoll, wired."""
 
@@ -83,12 +61,10 @@ class Service:
         self.pool = pool
         self.settings = s = settings or ServiceSettings()
         self.memory_config = (memory or MemoryConfig()).validate()
-        admission: AdmissionSettings = validate_scheduler_settings(
-            s.scheduler_mode, pool.settings.max_num_seqs, queue_limit=s.admission_queue_limit)
-        admission = AdmissionSettings(chain_shed=s.chain_shed,
-                                      scheduler_mode=admission.scheduler_mode,
-                                      admission_cap=admission.admission_cap,
-                                      queue_limit=admission.queue_limit)
+        admission: AdmissionSettings = dataclasses.replace(
+            validate_scheduler_settings(s.scheduler_mode, pool.settings.max_num_seqs,
+                                        queue_limit=s.admission_queue_limit),
+            chain_shed=s.chain_shed)
         self.lifecycle = Lifecycle()
         self.leases = Leases(time.monotonic)
         self.active_sessions = ActiveSessions(self.leases)
@@ -123,6 +99,9 @@ class Service:
         )
         pool.on_finish_hook = self.pipeline.store_session
         self.control = ControlPlane(pool, self.governor, self.leases, self.bank, self.lifecycle)
+        pool.load_guard = self.control.make_room_for_load
+        pool.listeners.append(self.governor.wake)  # a load or unload changes the cadence
+        pool.listeners.append(self.control.drop_sessions_of_unloaded_models)
 
     @property
     def draining(self) -> bool:

@@ -12,17 +12,15 @@ Neither touches MLX.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import psutil
 from tokenizers.models import BPE
 
 from engine import allocator
 from engine.pool import ModelPool, ModelState
+from memory.executor import AuxCache
 
 log = logging.getLogger(__name__)
-
-AuxCache = Callable[[], int]
 
 
 def _rss() -> int:

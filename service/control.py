@@ -25,9 +25,6 @@ class ControlPlane:
         self.leases = leases
         self.bank = bank
         self.lifecycle = lifecycle
-        pool.load_guard = self.make_room_for_load
-        pool.listeners.append(self.governor.wake)  # a load or unload changes the cadence
-        pool.listeners.append(self._drop_sessions_of_unloaded_models)
 
     # -- models -----------------------------------------------------------------------
     async def load_model(self, source: str, model_id: str = "") -> ModelEntry:
@@ -54,7 +51,8 @@ class ControlPlane:
                 metadata={k: str(v) for k, v in refusal.numbers.items()},
             )
 
-    def _drop_sessions_of_unloaded_models(self) -> None:
+    def drop_sessions_of_unloaded_models(self) -> None:
+        """A pool listener: drop the bank's entries of every unloaded model."""
         # KV snapshots are only good with the weights that made them; however a model
         # went (UnloadModel, the governor, a pending unload), its cache goes too.
         for e in self.pool.entries():

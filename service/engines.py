@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from engine.errors import Aborted, PlimsollError
 from engine.model_engine import MlxSample, ModelEngine, PrefillAbortReport
@@ -31,12 +32,22 @@ _STATES = {
 
 # (usage, ceiling) of the latest measurement, for the figures an aborted client receives.
 Figures = Callable[[], tuple[int, int]]
+GuardMaker = Callable[[ModelEntry], "PrefillGuard"]
 
 
 def _figures(sample: MlxSample | None) -> MlxFigures | None:
     if sample is None:
         return None
-    return MlxFigures(sample.active_bytes, sample.pool_bytes, sample.at)
+    return MlxFigures(sample.active_bytes, sample.pool_bytes, sample.at,
+                      sample.device_limit_bytes, sample.device_source)
+
+
+@dataclass(frozen=True)
+class GuardLimits:
+    ceiling_bytes: int
+    abort_cap_bytes: int
+    non_mlx_bytes: int  # process usage beyond MLX active, at the last tick
+    tier: Tier
 
 
 class PrefillGuard:
@@ -53,28 +64,36 @@ class PrefillGuard:
         self.cost = PrefillCostModel(static_bytes_per_token=max(1, kv_bytes_per_token * 4))
         self.min_chunk = min_chunk
         self.max_chunk = max_chunk
-        self.tier: Tier | None = None
-        self.ceiling = 0
-        self.abort_cap = 0
-        self.non_mlx_bytes = 0  # process usage beyond MLX active, at the last tick
+        # One tuple, replaced whole: the engine thread never reads two ticks' figures.
+        self.limits: GuardLimits | None = None
+
+    @property
+    def ceiling(self) -> int:
+        return self.limits.ceiling_bytes if self.limits else 0
+
+    @property
+    def abort_cap(self) -> int:
+        return self.limits.abort_cap_bytes if self.limits else 0
 
     def update(self, ceiling_bytes: int, abort_cap_bytes: int, non_mlx_bytes: int,
                tier: Tier) -> None:
-        self.ceiling, self.abort_cap = ceiling_bytes, abort_cap_bytes
-        self.non_mlx_bytes = non_mlx_bytes
-        self.tier = tier
+        self.limits = GuardLimits(ceiling_bytes, abort_cap_bytes, non_mlx_bytes, tier)
 
     def plan(self, mlx_active_bytes: int, remaining_tokens: int) -> tuple[int, bool]:
-        if self.tier is None:
+        limits = self.limits
+        if limits is None:
             return min(self.max_chunk, remaining_tokens), False
-        usage = self.non_mlx_bytes + mlx_active_bytes
+        usage = limits.non_mlx_bytes + mlx_active_bytes
         per_token = self.cost.bytes_per_token
-        chunk = plan_chunk(tier=self.tier, ceiling_bytes=self.ceiling, usage_bytes=usage,
-                           bytes_per_token=per_token, remaining_tokens=remaining_tokens,
-                           min_chunk=self.min_chunk, max_chunk=self.max_chunk)
-        abort = should_abort_before_chunk(tier=self.tier, abort_cap_bytes=self.abort_cap,
-                                          ceiling_bytes=self.ceiling, usage_bytes=usage,
-                                          chunk_tokens=chunk, bytes_per_token=per_token)
+        chunk = plan_chunk(tier=limits.tier, ceiling_bytes=limits.ceiling_bytes,
+                           usage_bytes=usage, bytes_per_token=per_token,
+                           remaining_tokens=remaining_tokens, min_chunk=self.min_chunk,
+                           max_chunk=self.max_chunk)
+        abort = should_abort_before_chunk(tier=limits.tier,
+                                          abort_cap_bytes=limits.abort_cap_bytes,
+                                          ceiling_bytes=limits.ceiling_bytes,
+                                          usage_bytes=usage, chunk_tokens=chunk,
+                                          bytes_per_token=per_token)
         return chunk, abort
 
     def observe(self, tokens: int, bytes_delta: int) -> None:
@@ -84,11 +103,15 @@ class PrefillGuard:
 class EngineHandleAdapter:
     """One model as the executor sees it (`memory.protocols.EngineHandle`)."""
 
-    def __init__(self, entry: ModelEntry, figures: Figures, guard: PrefillGuard) -> None:
+    def __init__(self, entry: ModelEntry, figures: Figures, make_guard: GuardMaker,
+                 report: Callable[[PrefillAbortReport], None]) -> None:
         self.model_id = entry.model_id
         self.entry = entry
+        self.engine = entry.engine  # the handle is for this engine; a reload gets a new one
         self._figures = figures
-        self.guard = guard
+        self._make_guard = make_guard
+        self._report = report
+        self.guard: PrefillGuard | None = None
 
     @property
     def _engine(self) -> ModelEngine | None:
@@ -104,11 +127,8 @@ class EngineHandleAdapter:
             stats = engine.stats
             active = stats.active_requests + stats.waiting_requests
             requests = tuple(
-                RequestView(rid, started, tokens * kv if kv else None)
-                for rid, started, tokens in zip(
-                    stats.request_ids, stats.request_started, stats.request_tokens,
-                    strict=False,
-                )
+                RequestView(r.request_id, r.started_at, r.tokens * kv if kv else None)
+                for r in stats.requests
             )
         return EngineView(
             model_id=e.model_id,
@@ -174,6 +194,15 @@ class EngineHandleAdapter:
 
     def set_limits(self, ceiling_bytes: int, abort_cap_bytes: int, non_mlx_bytes: int,
                    tier: Tier) -> None:
+        """This tick's limits. The first time the model is ready, its prefill guard is
+        made (its KV size is known only then) and handed to the engine."""
+        engine = self._engine
+        if self.guard is None:
+            if engine is None or self.entry.state is not ModelState.READY:
+                return
+            self.guard = self._make_guard(self.entry)
+            engine.on_prefill_abort = self._report
+            engine.prefill_planner = self.guard
         self.guard.update(ceiling_bytes, abort_cap_bytes, non_mlx_bytes, tier)
 
     def mlx_sample(self) -> MlxFigures | None:
@@ -202,19 +231,15 @@ class PoolAdapter:
                 if e.state in (ModelState.LOADING, ModelState.READY) and e.engine is not None]
         for e in live:
             h = self._handles.get(e.model_id)
-            if h is None or h.entry is not e or h.entry.engine is None:
-                h = self._handles[e.model_id] = self._equip(e)
-            if e.state is ModelState.READY and e.engine is not None \
-                    and e.engine.prefill_planner is None:
-                e.engine.prefill_planner = h.guard
-                e.engine.on_prefill_abort = self._on_prefill_abort
+            if h is None or h.engine is not e.engine:
+                self._handles[e.model_id] = EngineHandleAdapter(
+                    e, self._figures, self._make_guard, self._on_prefill_abort)
         return [self._handles[e.model_id] for e in live]
 
-    def _equip(self, entry: ModelEntry) -> EngineHandleAdapter:
+    def _make_guard(self, entry: ModelEntry) -> PrefillGuard:
         step = self._pool.settings.prefill_step_size
-        guard = PrefillGuard(entry.kv_bytes_per_token, self._min_chunk,
-                             min(self._max_chunk, step))
-        return EngineHandleAdapter(entry, self._figures, guard)
+        return PrefillGuard(entry.kv_bytes_per_token, self._min_chunk,
+                            min(self._max_chunk, step))
 
     def _on_prefill_abort(self, r: PrefillAbortReport) -> None:
         # On the engine thread: hand the record to the governor (it moves it to the loop).

@@ -241,6 +241,9 @@ class GeneratePipeline:
         return restored.payload, restored.prefix_len
 
     async def _stream(self, entry, request, cache, cached, span):
+        # Waiting for a slot or for admission took time: the model may have been marked
+        # for a pending unload (refuse new work) or unloaded meanwhile.
+        self.pool.ready(entry.model_id)
         engine = entry.engine
         if engine is None:
             raise Unavailable(f"model '{entry.model_id}' was unloaded", retry_after_s=1.0)

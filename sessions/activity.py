@@ -1,8 +1,8 @@
 """Which sessions are "active": the real in-flight set plus pinned sessions.
 
-Not a time stamp: MTPLX stamped sessions with a TTL, which both leaked
-protection to idle sessions and dropped it from long requests. Here a session
-is active exactly while a request for it runs or a lease pins it.
+Not a time stamp: a TTL stamp would both leak protection to idle sessions and
+drop it from long requests. Here a session is active exactly while a request for
+it runs or a lease pins it.
 
 `ActiveSessions` is the callable a `SessionBank` takes as `active_sessions`.
 Thread-safe: the asyncio side counts requests, the engine and governor threads read.
@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from .leases import Leases
 
@@ -42,15 +40,6 @@ class ActiveSessions:
             self._in_flight[session_id] -= 1
             if self._in_flight[session_id] <= 0:
                 del self._in_flight[session_id]
-
-    @contextmanager
-    def track(self, session_id: str | None) -> Iterator[None]:
-        """Marks the session in flight for the duration of a request."""
-        self.begin(session_id)
-        try:
-            yield
-        finally:
-            self.end(session_id)
 
     def in_flight_ids(self) -> frozenset[str]:
         with self._lock:

@@ -12,7 +12,7 @@ Vocabulary
   prefix (computed, never stored); the others are *non-terminal* (siblings and
   forks the conversation moved past).
 - A session is *active* when `active_sessions()` names it: the server's real
-  in-flight set plus pinned sessions, not a time stamp (MTPLX's TTL stamp left
+  in-flight set plus pinned sessions, not a time stamp (a TTL stamp would leave
   idle sessions unreleasable).
 - Restore rule: a prompt restores from the longest cached key that is a
   *strict* prefix of it. At least one prompt token must still be prefilled to
@@ -41,7 +41,7 @@ from typing import Any
 from opentelemetry import trace
 
 import telemetry
-from memory.actions import ShrinkMode
+from memory.actions import REASON_ADMISSION_CHAIN, REASON_IDLE_TTL, ShrinkMode
 from memory.views import BankFigures
 from telemetry import names
 from telemetry.instruments import Instruments, instruments
@@ -80,18 +80,15 @@ DEFAULT_MAX_ENTRIES = 24
 DEFAULT_PER_SESSION_MAX_ENTRIES = 3
 DEFAULT_IDLE_TTL_S = 3600.0
 
-# Eviction reasons (span/metric attribute values).
+# Eviction reasons (span/metric attribute values) of the bank's own; the ones it
+# shares with the memory plans (admission chain, idle TTL) come from memory.actions.
 REASON_MEMORY_PRESSURE = "memory_pressure"
-REASON_ADMISSION_CHAIN = "prefill_admission_chain"
-REASON_PREFILL_ADMISSION = "prefill_admission"
-REASON_DYNAMIC_CEILING = "dynamic_ceiling"
 REASON_SUPERSEDED = "superseded"
 REASON_REPLACED = "replaced"
 REASON_SESSION_RETENTION = "session_retention"
 REASON_CAP_BYTES = "cap_bytes"
 REASON_CAP_SESSION_BYTES = "cap_session_bytes"
 REASON_CAP_ENTRIES = "cap_entries"
-REASON_IDLE_TTL = "idle_ttl"
 REASON_DROPPED = "dropped"
 REASON_REMOVED = "removed"
 
@@ -300,7 +297,7 @@ class SessionBank:
 
     @property
     def total_nbytes(self) -> int:
-        """Bytes held now, live references included (the seed's name for `total_bytes`)."""
+        """Bytes held now, live references included (`total_bytes()` as a property)."""
         return self._total
 
     def session_bytes(self, session_id: str) -> int:

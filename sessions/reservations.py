@@ -50,17 +50,10 @@ class ReservationBook:
         self._map.put(ticket, res, ttl)
         return res
 
-    def get(self, ticket: str) -> Reservation | None:
-        held = self._map.get(ticket)
-        return held.value if held is not None else None
-
     def redeem(self, ticket: str) -> Reservation | None:
         """Consume a ticket; None when unknown or expired (an expired one is dropped)."""
         held = self._map.pop(ticket)
         return held.value if held is not None else None
-
-    def cancel(self, ticket: str) -> Reservation | None:
-        return self.redeem(ticket)
 
     def expire(self) -> list[Reservation]:
         return [h.value for h in self._map.expire()]

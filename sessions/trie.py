@@ -1,7 +1,7 @@
 """A compressed (radix) trie over token ids.
 
 The bank looks up "the longest cached key that is a prefix of this prompt" on
-every request; MTPLX did it with a linear scan over every key. A radix trie
+every request; a linear scan over every key would cost O(entries). A radix trie
 walks the prompt once: each edge holds a run of tokens (a tuple slice), and a
 whole edge is compared with one C-level tuple comparison, so a lookup costs
 O(prompt length) regardless of how many entries the bank holds.

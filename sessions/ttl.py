@@ -42,6 +42,9 @@ class TtlMap(Generic[V]):
         now = self._clock()
         held = Held(value, now, now + ttl_s if ttl_s else None)
         with self._lock:
+            # Sweep what has expired, so entries nobody reads again do not pile up.
+            for k in [k for k, h in self._items.items() if not h.live(now)]:
+                del self._items[k]
             self._items[key] = held
         return held
 

@@ -1,8 +1,8 @@
 """Every memory decision as a pure plan: readings and state in, actions out.
 
-- `tick`: the enforcer tick (seed 000), with the bank's upkeep every tick.
+- `tick`: the enforcer tick, with the bank's upkeep every tick.
 - `load`: making room for a model load.
-- `admission`: the admission gate and cascade (seed 004), live or as a preview.
+- `admission`: the admission gate and cascade, live or as a preview.
 - `os_guard`: the OS pressure guard's hysteresis.
 - `bank_ceiling`: the session bank's dynamic ceiling.
 - `eviction`: the one order in which idle models are evicted.

@@ -6,7 +6,7 @@ governor answers with predicted outcomes and nothing changes), so Admit says
 what Generate would do at that instant.
 
 The projection: usage + outstanding reservations + tokens that miss the cache
-× KV bytes per token + the prefill transient. The cascade (seed 004, then the
+× KV bytes per token + the prefill transient. The cascade (the session bank's, then the
 governor's other reliefs), each step only while the projection is still over
 its line, re-measuring after every step that freed anything:
 
@@ -402,15 +402,18 @@ def admission_plan(
     settings: AdmissionSettings,
     level: PressureLevel,
     *,
+    gate_level: PressureLevel | None = None,
     bank_budget_bytes: int | None = None,
     preview: bool = False,
 ) -> Generator[Step, Any, AdmissionResult]:
-    """The cascade of the module docstring. `preview`: outcomes are predictions and
-    the plan predicts usage instead of measuring again."""
+    """The cascade of the module docstring. `level` is the pressure level now;
+    `gate_level` the one the gate pauses at (default: `level`). `preview`: outcomes
+    are predictions and the plan predicts usage instead of measuring again."""
     query = AdmissionQuery(request.model, request.prompt_tokens)
     snap: Snapshot = yield Measure(MEASURE_ADMISSION, query)
     limits = compute_limits(snap.readings, config)
-    inputs = admission_inputs(snap, request, limits, level, settings)
+    gated_at = level if gate_level is None else gate_level
+    inputs = admission_inputs(snap, request, limits, gated_at, settings)
     if not config.enabled:  # measured and reported, never enforced
         inputs = replace(inputs, ceiling_bytes=UNLIMITED_BYTES, threshold_bytes=UNLIMITED_BYTES,
                          floor_bytes=None)
@@ -428,7 +431,10 @@ def admission_plan(
     bank_total = inputs.bank.total_bytes
     ready = [e for e in snap.engines if e.ready]
     victims = idle_victims(snap.engines, exclude=(request.model,))
-    freeable = (min(inputs.pool_bytes, usage) + inputs.bank.lru_freeable_bytes
+    # The pool is never asked for in an emergency, or when reclaim is off.
+    may_reclaim = config.pressure_reclaim and level is not PressureLevel.EMERGENCY
+    freeable = ((min(inputs.pool_bytes, usage) if may_reclaim else 0)
+                + inputs.bank.lru_freeable_bytes
                 + (inputs.bank.chain_freeable_bytes if settings.chain_shed else 0)
                 + freeable_bytes(victims))
     if usage + need - freeable > inputs.ceiling_bytes:
@@ -456,7 +462,8 @@ def admission_plan(
             usage -= sum(o.bytes_freed or 0 for o in outcomes)
             bank_total -= shrank
             return
-        if shrank and ready and not all(isinstance(a, PressureReclaim) for a in actions):
+        if shrank and ready and may_reclaim and not all(isinstance(a, PressureReclaim)
+                                                         for a in actions):
             # Freed snapshots land in the MLX pool first: drain it before measuring.
             yield Execute(tuple(PressureReclaim(e.model_id, REASON_ADMISSION_RECLAIM, wait=True)
                                 for e in ready))
@@ -465,7 +472,7 @@ def admission_plan(
         bank_total = fresh.bank.total_bytes if fresh.bank is not None else bank_total
 
     # 1. the pool (non-destructive)
-    if inputs.pool_bytes > 0 and over(inputs.threshold_bytes):
+    if may_reclaim and inputs.pool_bytes > 0 and over(inputs.threshold_bytes):
         yield from run([PressureReclaim(e.model_id, REASON_ADMISSION_RECLAIM, wait=True)
                         for e in ready])
     # 2. the memory-pressure guard: the bank back under its budget

@@ -19,7 +19,7 @@ from memory.actions import (
     REASON_MAKE_ROOM_FOR_LOAD,
     EvictModel,
     Outcome,
-    Refuse,
+    RefuseLoad,
 )
 from memory.ceiling import Limits, compute_limits
 from memory.config import MemoryConfig
@@ -33,7 +33,7 @@ RETRY_AFTER_LOAD_S = 10.0
 @dataclass(frozen=True)
 class LoadResult:
     evicted: tuple[str, ...] = ()
-    refusal: Refuse | None = None
+    refusal: RefuseLoad | None = None
 
 
 def _usage(snap: Snapshot) -> int:
@@ -41,8 +41,8 @@ def _usage(snap: Snapshot) -> int:
 
 
 def _refusal(model_id: str, estimate: int, usage: int, limits: Limits, freeable: int,
-             tried: tuple[str, ...]) -> Refuse:
-    return Refuse(
+             tried: tuple[str, ...]) -> RefuseLoad:
+    return RefuseLoad(
         binding="ceiling",
         error_reason=ERROR_LOAD_EXCEEDS_CEILING,
         message=(f"model '{model_id}' needs about {estimate} bytes; usage {usage} + that "

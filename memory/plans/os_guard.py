@@ -6,7 +6,7 @@ cgroup's pressure file, or swap-in activity) and reduced to normal / warning /
 critical, plus a `now` value and the state of the previous reading. Output: the
 new state and shrink actions for the session bank.
 
-Timing rules (MTPLX's guard):
+Timing rules:
 - Act on the rising edge into warning or critical.
 - While the level stays raised, re-arm at most every `rearm_s` (120 s).
 - normal<->warning flapping cannot retrigger faster than `flap_s` (30 s):
@@ -16,8 +16,8 @@ Timing rules (MTPLX's guard):
   acts on every rising edge.
 - warning -> shrink_to_bytes(budget // 2, protect_active=True);
   critical -> shrink_to_bytes(0, protect_active=True). Active sessions are
-  spared (DESIGN: pinned and in-flight sessions are shed only in emergency,
-  which is the enforcer's call, not the OS report's).
+  spared: pinned and in-flight sessions are shed only in emergency, which is
+  the enforcer's call, not the OS report's.
 """
 
 from __future__ import annotations
@@ -127,24 +127,3 @@ def guard_step(
         return state, []
     trigger = "deferred" if deferred_for > 0 else state.pending_trigger
     return _act(state, now, lvl, max(0, budget_bytes) // 2, REASON_WARNING, trigger)
-
-
-class PressureGuard:
-    """`guard_step` with its state kept here: for callers outside the governor (tests)."""
-
-    def __init__(self, *, rearm_s: float = REARM_S, flap_s: float = FLAP_S,
-                 warning_max_defer_s: float = WARNING_MAX_DEFER_S) -> None:
-        self.timing = GuardTiming(rearm_s, flap_s, warning_max_defer_s)
-        self.state = GuardState()
-
-    @property
-    def level(self) -> OsPressure:
-        return self.state.level
-
-    def observe(self, level: str | int | OsPressure, now: float, *, budget_bytes: int,
-                busy: bool = False) -> list[PressureAction]:
-        self.state, actions = guard_step(self.state, level, now, budget_bytes=budget_bytes,
-                                         busy=busy, timing=self.timing)
-        return actions
-
-

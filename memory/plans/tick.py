@@ -12,7 +12,7 @@ The tick re-measures after clearing auxiliary caches, after a session shrink
 and after evictions of models whose size is unknown, so a scripted list of
 snapshots drives it exactly the same way the real reader does.
 
-The ladder (seed facts, in order):
+The ladder, in order:
 
 1. At or above soft: clear auxiliary caches, re-measure.
    Commit the level (ok below soft, always; the emergency counter), pause
@@ -34,7 +34,7 @@ The ladder (seed facts, in order):
    engine (emergency only) or ask every engine for an idle reclaim.
 5. Every tick, deferred and ok ones too: one store-cache cap step per engine
    (and one step of its decode batch cap), and this tick's limits to every engine.
-6. Every tick, the bank's upkeep (`memory.plans.upkeep`): idle TTL, the OS
+6. Every tick, the bank's upkeep (`upkeep` below): idle TTL, the OS
    pressure guard, the bank's dynamic ceiling.
 7. Transitions are actions, executed (published) where they are committed.
 """
@@ -212,8 +212,6 @@ def commit(
         admission = PauseAdmission(assessment.level)  # still paused, at the new level
     paused = state.admission_paused if admission is None else isinstance(admission,
                                                                           PauseAdmission)
-    if admission is not None:
-        actions.append(admission)
     if assessment.level != state.level:
         actions.append(
             Transition(
@@ -228,6 +226,8 @@ def commit(
                 at=now,
             )
         )
+    if admission is not None:
+        actions.append(admission)  # after the transition it follows from
     at_ok = assessment.level == OK
     new_state = dataclasses.replace(
         state,
@@ -338,17 +338,21 @@ class ReliefMemo:
     evicted: frozenset[str] = frozenset()
     aborted: frozenset[str] = frozenset()
     loads_flagged: frozenset[str] = frozenset()
+    skipped: frozenset[str] = frozenset()  # evictions the executor declined: not again
 
-    def after(self, actions: Iterable[Action]) -> ReliefMemo:
+    def after(self, actions: Iterable[Action],
+              skipped: Iterable[str] = ()) -> ReliefMemo:
         evicted, aborted, flagged = set(self.evicted), set(self.aborted), set(self.loads_flagged)
+        declined = set(self.skipped) | set(skipped)
         for action in actions:
-            if isinstance(action, EvictModel):
+            if isinstance(action, EvictModel) and action.model_id not in declined:
                 evicted.add(action.model_id)
             elif isinstance(action, AbortRequests):
                 aborted.add(action.model_id)
             elif isinstance(action, AbortLoad):
                 flagged.add(action.model_id)
-        return ReliefMemo(frozenset(evicted), frozenset(aborted), frozenset(flagged))
+        return ReliefMemo(frozenset(evicted), frozenset(aborted), frozenset(flagged),
+                          frozenset(declined))
 
 
 @dataclass(frozen=True)
@@ -361,7 +365,7 @@ class ReliefPlan:
 
 
 def _idle_victims(engines: Sequence[EngineView], memo: ReliefMemo) -> list[EngineView]:
-    return idle_victims(engines, exclude=memo.evicted)
+    return idle_victims(engines, exclude=memo.evicted | memo.skipped)
 
 
 def _busy_victim(engines: Sequence[EngineView], memo: ReliefMemo) -> EngineView | None:
@@ -583,8 +587,8 @@ def tick_plan(
         a = assess(tick.usage, tick.limits, tick.state.level, polls, config, new_poll=False)
     yield from _commit(tick, a, MEASURE_POLL)  # the aux clear is part of the poll
 
-    # Drain the reclaimable pool before anything destructive (not in emergency: the
-    # seed sends it when "not ok and not emergency", and nothing may wait then).
+    # Drain the reclaimable pool before anything destructive; not in an emergency,
+    # when nothing may wait.
     if a.level in (SOFT, HARD) and pool_reclaim_wanted(tick.snap.readings, tick.state, config):
         outcomes = yield from _execute(tick, plan_pressure_reclaim(tick.snap.engines))
         accepted = any(o.accepted for o in outcomes)
@@ -636,10 +640,16 @@ def _relieve(tick: _Tick, a: Assessment) -> Generator[Step, Any, Assessment]:
     usage = tick.usage
     for _round in range(len(tick.snap.engines) + 2):
         plan = plan_relief(usage, tick.limits, a, tick.snap.engines, tick.config, memo)
-        yield from _execute(tick, plan.actions)
-        memo = memo.after(plan.actions)
-        evicted_any = evicted_any or any(isinstance(x, EvictModel) for x in plan.actions)
-        if plan.complete:
+        outcomes = yield from _execute(tick, plan.actions)
+        # An eviction the executor declined (pinned or busy since the snapshot) freed
+        # nothing: its bytes stay in the prediction and the plan is not complete.
+        declined = [o.action for o in outcomes
+                    if isinstance(o.action, EvictModel) and not o.done]
+        memo = memo.after(plan.actions, skipped=(d.model_id for d in declined))
+        predicted = plan.predicted_usage + sum(d.predicted_bytes or 0 for d in declined)
+        evicted_any = evicted_any or any(isinstance(o.action, EvictModel) and o.done
+                                         for o in outcomes)
+        if plan.complete and not declined:
             break
         yield from _measure(tick, MEASURE_AFTER_EVICTION)
         a = tick.assess()
@@ -649,7 +659,7 @@ def _relieve(tick: _Tick, a: Assessment) -> Generator[Step, Any, Assessment]:
             break
         # A reading that lags an unload must not evict a second model for the
         # same bytes; a reading lower than predicted is believed.
-        usage = min(tick.usage, plan.predicted_usage)
+        usage = min(tick.usage, predicted)
     tick.evicted = memo.evicted
     if evicted_any:
         yield from _measure(tick, MEASURE_AFTER_RELIEF)
@@ -688,7 +698,8 @@ def upkeep(tick: _Tick) -> Generator[Step, Any, None]:
     for g in guard_actions:
         (out,) = yield from _execute(tick, [ShrinkSessionCache(
             target_bytes=g.target_bytes, protect_active=True, reason=g.reason)])
-        if (out.entries or 0) > 0 or g.level is OsPressure.CRITICAL:
+        reclaim_allowed = tick.config.pressure_reclaim and tick.state.level != EMERGENCY
+        if reclaim_allowed and ((out.entries or 0) > 0 or g.level is OsPressure.CRITICAL):
             yield from _execute(tick, plan_pressure_reclaim(engines, REASON_OS_RECLAIM))
     hold = plan_hold_to_ceiling(tick.bank_bytes or 0, budget)
     if hold is not None:

@@ -412,3 +412,59 @@ async def test_a_soft_tick_clears_the_servers_aux_caches_and_walks_the_store_cap
         assert models.models[0].store_cache_cap == start_cap
     finally:
         await server.drain()
+
+
+async def test_a_client_cancelled_during_its_admission_eviction_leaves_no_half_unloaded_model(
+        demo_path, exporter):
+    """The admission of a request evicts an idle model; the client cancels while the
+    unload is under way. The eviction still finishes: the model ends unloaded (not
+    stuck UNLOADING with a stopped engine), and its eviction is recorded once."""
+    memory = MemoryConfig(tier=Tier.CUSTOM, custom_ceiling_gib=0.5, idle_poll_s=3600,
+                          empty_poll_s=3600, active_poll_s=3600)
+    mib = 1 << 20
+    reader = ScriptedReader(readings(0.3))
+    server = await start(demo_path, reader, models=2, memory=memory,
+                         extra_source=ensure_demo_model("small"))
+    svc = server.service
+    pool = svc.pool
+    pinned = pool.get("").model_id
+    base = 290 * mib
+
+    def usage() -> None:
+        idle = sum(e.measured_bytes for e in pool.entries()
+                   if e.model_id != pinned and e.engine is not None)
+        reader.current = readings((base + 67 * mib + idle) / (1 << 30))
+
+    usage()
+    await svc.control.pin_model(pinned, "test", None)
+    await svc.governor.tick()
+    exporter.clear()
+    cancelled = asyncio.Event()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
+            stub = inference_pb2_grpc.InferenceServiceStub(ch)
+            call = stub.Generate(inference_pb2.GenerateRequest(
+                model=pinned, token_ids=inference_pb2.TokenIds(ids=[5] * 4000),
+                max_tokens=1, ignore_eos=True))
+
+            def on_change() -> None:
+                if pool.get("extra-1").state.name == "UNLOADING" and not cancelled.is_set():
+                    call.cancel()  # the client goes away in the middle of the unload
+                    cancelled.set()
+
+            pool.listeners.append(on_change)
+            with pytest.raises(asyncio.CancelledError):
+                _ = [m async for m in call]
+            await asyncio.wait_for(cancelled.wait(), 10)
+            for _ in range(100):  # the eviction goes on without the caller
+                if pool.get("extra-1").state.name == "UNLOADED":
+                    break
+                await asyncio.sleep(0.05)
+        entry = pool.get("extra-1")
+        assert entry.state.name == "UNLOADED" and entry.engine is None
+        evictions = [s for s in spans_named(exporter, names.SPAN_EVICT)
+                     if names.ATTR_SKIPPED not in s.attributes]
+        assert [s.attributes[names.ATTR_MODEL] for s in evictions] == ["extra-1"]
+    finally:
+        pool.listeners.remove(on_change)
+        await server.drain()

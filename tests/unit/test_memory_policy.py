@@ -504,7 +504,7 @@ def test_tick_plan_steps_for_a_soft_tick_with_scripted_snapshots():
         "poll",
         ["ClearAuxCaches"],
         "after_aux_clear",
-        ["PauseAdmission", "Transition"],
+        ["Transition", "PauseAdmission"],
         ["EvictModel"],
         "after_relief",
         ["AdjustStoreCacheCap", "AdjustBatchCap"],  # a is gone: only b's caps walk
@@ -545,7 +545,7 @@ def test_ok_tick_clears_nothing_and_resumes_admission():
     assert ClearAuxCaches() not in r.actions
     assert r.state == PolicyState(level=OK)
     assert [type(a).__name__ for a in r.actions] == [
-        "ResumeAdmission", "Transition", "PropagateLimits"]
+        "Transition", "ResumeAdmission", "PropagateLimits"]
 
 
 # -- properties ----------------------------------------------------------------------------

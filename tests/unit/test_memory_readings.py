@@ -20,7 +20,6 @@ from memory.readings import (
     discover_cgroup,
     is_unlimited,
     parse_psi,
-    read_memory,
 )
 
 GIB = 1 << 30
@@ -71,7 +70,9 @@ def test_reader_finds_this_process_cgroup_v1():
 
 
 def test_read_memory_and_cost_of_a_read():
-    r = read_memory()
+    fresh = MemoryReader()  # default discovery, device probe included
+    r = fresh.read()
+    fresh.close()
     assert r.process_bytes > 0
     reader = MemoryReader(probe_device=False)
     sample = MlxFigures(1, 2, at=0.0)

@@ -1,7 +1,7 @@
 """The OS pressure guard's hysteresis (120 s re-arm, 30 s flap, 60 s busy defer) and its plan.
 
-`guard_step` is pure (state in, state and actions out); `PressureGuard` keeps the
-state for callers outside the governor. The tick's upkeep turns each guard action
+`guard_step` is pure (state in, state and actions out); `PressureGuard`
+(tests.support.os_guard) keeps the state for tests that feed it readings one by one. The tick's upkeep turns each guard action
 into a `ShrinkSessionCache` (and a pool reclaim when it evicted or the report is
 critical), which the executor performs on the bank.
 """
@@ -31,7 +31,6 @@ from memory.plans.os_guard import (
     GuardTiming,
     OsPressure,
     PressureAction,
-    PressureGuard,
     guard_step,
     parse_os_pressure,
 )
@@ -41,6 +40,7 @@ from memory.readings import MemoryReadings
 from memory.views import EngineView
 from sessions.bank import SessionBank
 from tests.support.clock import FakeClock
+from tests.support.os_guard import PressureGuard
 from tests.support.plans import default_outcome, drive
 from tests.support.sessions import make_entry
 

@@ -39,7 +39,6 @@ from memory.plans.admission import (
     validate_scheduler_settings,
 )
 from memory.plans.bank_ceiling import plan_hold_to_ceiling
-from memory.plans.os_guard import PressureGuard
 from memory.plans.steps import Snapshot
 from memory.plans.tick import PolicyState, tick_plan
 from memory.readings import MemoryReadings
@@ -50,6 +49,7 @@ from sessions.bank import SessionBank
 from telemetry import names
 from telemetry.instruments import Instruments
 from tests.support.clock import FakeClock
+from tests.support.os_guard import PressureGuard
 from tests.support.plans import drive
 from tests.support.sessions import SpanRecorder, make_entry
 
