@@ -82,24 +82,13 @@ class TokenTrie(Generic[V]):
         return old
 
     def get(self, key: Tokens) -> V | None:
-        node = self._find(key)
-        return node.value if node is not None and node.has_value else None
+        found = self._walk(key)
+        return found[0].value if found is not None and found[0].has_value else None
 
-    def _find(self, key: Tokens) -> _Node[V] | None:
-        node, i, n = self._root, 0, len(key)
-        while i < n:
-            edge = node.edges.get(key[i])
-            if edge is None:
-                return None
-            label, child = edge
-            if key[i : i + len(label)] != label:
-                return None
-            node, i = child, i + len(label)
-        return node
-
-    def remove(self, key: Tokens) -> V | None:
-        """Remove `key`; returns its value (None if absent). Keeps the trie compressed."""
-        path: list[tuple[_Node[V], int]] = []  # (parent, first token of the edge taken)
+    def _walk(self, key: Tokens) -> tuple[_Node[V], list[tuple[_Node[V], int]]] | None:
+        """The node at exactly `key` and the path to it: (parent, first token of the
+        edge taken) per step; None when no node sits there."""
+        path: list[tuple[_Node[V], int]] = []
         node, i, n = self._root, 0, len(key)
         while i < n:
             edge = node.edges.get(key[i])
@@ -110,6 +99,14 @@ class TokenTrie(Generic[V]):
                 return None
             path.append((node, key[i]))
             node, i = child, i + len(label)
+        return node, path
+
+    def remove(self, key: Tokens) -> V | None:
+        """Remove `key`; returns its value (None if absent). Keeps the trie compressed."""
+        found = self._walk(key)
+        if found is None:
+            return None
+        node, path = found
         if not node.has_value:
             return None
         value = node.value

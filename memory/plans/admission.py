@@ -342,13 +342,14 @@ class AdmissionResult:
     def projected_bytes(self) -> int:
         return self.usage_bytes + self.decision.request_bytes
 
+    # A refusal, when there is one, speaks for the result; else the first look does.
     @property
     def binding(self) -> str | None:
-        return self.refusal.binding if self.refusal else self.decision.binding
+        return (self.refusal or self.decision).binding
 
     @property
     def retry_after_s(self) -> float | None:
-        return self.refusal.retry_after_s if self.refusal else self.decision.retry_after_s
+        return (self.refusal or self.decision).retry_after_s
 
     @property
     def reason(self) -> str:
@@ -356,7 +357,7 @@ class AdmissionResult:
 
     @property
     def error_reason(self) -> str | None:
-        return self.refusal.error_reason if self.refusal else self.decision.error_reason
+        return (self.refusal or self.decision).error_reason
 
     @property
     def shed_entries(self) -> int:
