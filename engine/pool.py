@@ -217,6 +217,7 @@ class ModelPool:
             raise InvalidArgument("source is empty: give a local folder or a repository id",
                                   "source")
         model_id = model_id or default_model_id(source)
+        new = False
         async with self._lock:
             entry = self._entries.get(model_id)
             if entry is not None and entry.state in (ModelState.READY, ModelState.LOADING):
@@ -228,6 +229,7 @@ class ModelPool:
                 loading = entry.engine.loaded if entry.engine else None
             else:
                 loading = None
+                new = entry is None
                 entry = entry or ModelEntry(model_id=model_id, source=source)
                 entry.source = source
                 entry.is_default = entry.is_default or default or not self._entries
@@ -235,7 +237,13 @@ class ModelPool:
         if loading is not None:
             await asyncio.wrap_future(loading)
             return entry
-        return await self._start(entry)
+        try:
+            return await self._start(entry)
+        except BaseException:
+            if new and entry.state is ModelState.UNLOADED:
+                # A load that never succeeded leaves nothing behind (no ghost entry).
+                self._entries.pop(model_id, None)
+            raise
 
     async def _start(self, entry: ModelEntry) -> ModelEntry:
         if self.load_guard is not None:

@@ -61,16 +61,14 @@ class ControlPlane:
 
     # -- pins ---------------------------------------------------------------------------
     async def pin_model(self, model_id: str, owner: str, ttl_s: float | None) -> HeldLease:
-        try:
-            entry = self.pool.get(model_id)
-        except NotFound:
-            entry = None
-        while entry is not None and entry.state == ModelState.UNLOADING:
+        # A model the server does not know is NOT_FOUND: only LoadModel, with a
+        # source, fetches or loads anything new.
+        entry = self.pool.get(model_id)
+        while entry.state == ModelState.UNLOADING:
             await asyncio.sleep(0.05)  # let the unload finish, then load it again
-        if entry is None or entry.state == ModelState.UNLOADED:
-            # Pinning an unloaded model loads it: by id when known, else as a source.
-            source = entry.source if entry is not None else model_id
-            entry = await self.load_model(source, entry.model_id if entry else "")
+        if entry.state == ModelState.UNLOADED:
+            # Pinning a known, unloaded model loads it again from its source.
+            entry = await self.load_model(entry.source, entry.model_id)
         lease = self.leases.pin_model(entry.model_id, owner, ttl_s)
         self._recount_pins(entry.model_id)
         self._expire_after(ttl_s)

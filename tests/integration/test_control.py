@@ -299,3 +299,29 @@ def test_waiting_for_admission_times_out_or_finds_the_queue_full(tmp_path, demo_
             assert retry.retry_delay.ToNanoseconds() > 0
     finally:
         s.stop()
+
+
+def test_pin_of_an_unknown_model_is_not_found_and_fetches_nothing(stubs):
+    """Only LoadModel (with a source) fetches anything: Pin of a name the server does
+    not know is NOT_FOUND at once — no hub download attempt — and leaves no entry."""
+    control, _ = stubs
+    before = {m.id for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    for name in ("no-such", "mlx-community/not-a-model-here"):
+        with pytest.raises(grpc.RpcError) as info:
+            control.Pin(control_pb2.PinRequest(model=name, owner="t"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert name in info.value.details()
+    after = {m.id for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    assert after == before
+
+
+def test_a_failed_load_leaves_no_ghost_entry(stubs):
+    control, _ = stubs
+    before = {m.id for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    for source, code in (("/no/such/folder", grpc.StatusCode.NOT_FOUND),
+                         ("mlx-community/Qwen3-0.6B-4bit", grpc.StatusCode.UNAVAILABLE)):
+        with pytest.raises(grpc.RpcError) as info:
+            control.LoadModel(control_pb2.LoadModelRequest(source=source), timeout=120)
+        assert info.value.code() == code
+    after = {m.id for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    assert after == before
