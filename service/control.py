@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from engine.errors import NotFound, ResourceExhausted, Unavailable
+from engine.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from engine.pool import ModelEntry, ModelPool, ModelState, UnloadResult
 from memory.governor import Governor
 from service.lifecycle import Lifecycle, settle_heap
@@ -35,7 +35,18 @@ class ControlPlane:
         return entry
 
     async def unload_model(self, model_id: str, force: bool) -> UnloadResult:
-        return await self.pool.unload(model_id, force=force)
+        """A pinned model unloads only with `force`, which releases its leases too."""
+        entry = self.pool.get(model_id)
+        if entry.pinned and not force:
+            raise FailedPrecondition(
+                f"model '{entry.model_id}' is pinned by {entry.pins} lease(s); "
+                "set force to unload it and release them", "MODEL_PINNED")
+        result = await self.pool.unload(model_id, force=force)
+        for held in self.leases.leases():
+            if held.lease.model_id == entry.model_id:
+                self.leases.unpin(held.lease_id)
+        self._recount_pins(entry.model_id)
+        return result
 
     async def make_room_for_load(self, entry: ModelEntry, estimate: int | None) -> None:
         """Before a load (the pool's load guard): evict idle LRU models down to the

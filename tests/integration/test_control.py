@@ -325,3 +325,20 @@ def test_a_failed_load_leaves_no_ghost_entry(stubs):
         assert info.value.code() == code
     after = {m.id for m in control.ListModels(control_pb2.ListModelsRequest()).models}
     assert after == before
+
+
+def test_unloading_a_pinned_model_needs_force_and_releases_its_leases(stubs, demo_path):
+    control, _ = stubs
+    control.LoadModel(control_pb2.LoadModelRequest(source=str(demo_path), id="pinned-unload"),
+                      timeout=120)
+    lease = control.Pin(control_pb2.PinRequest(model="pinned-unload", owner="t")).lease
+    with pytest.raises(grpc.RpcError) as info:
+        control.UnloadModel(control_pb2.UnloadModelRequest(id="pinned-unload"))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "pinned" in info.value.details()
+    control.UnloadModel(control_pb2.UnloadModelRequest(id="pinned-unload", force=True))
+    status = control.GetMemoryStatus(control_pb2.GetMemoryStatusRequest())
+    assert lease.lease_id not in {x.lease_id for x in status.leases}
+    models = {m.id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    assert models["pinned-unload"].state == control_pb2.MODEL_STATE_UNLOADED
+    assert not models["pinned-unload"].pinned
