@@ -90,3 +90,19 @@ def drive(
             reply = [replace(o, preview=True) for o in outs] if preview else outs
         else:  # pragma: no cover - plans yield only the two kinds
             raise TypeError(f"unknown plan step {step!r}")
+
+
+class NoEngines:
+    """An `EnginePool` with nothing loaded (for a real bank through the real executor)."""
+
+    def handles(self) -> list:
+        return []
+
+    def eviction_blocker(self, model_id: str) -> str | None:
+        return "not loaded"
+
+    async def unload(self, model_id: str, reason: str) -> tuple[int, list[str]]:
+        raise LookupError(model_id)
+
+    def mark_pending_unload(self, model_id: str, reason: str) -> None:
+        raise LookupError(model_id)

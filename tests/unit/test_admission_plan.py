@@ -57,7 +57,7 @@ from sessions.bank import SessionBank
 from telemetry import names
 from telemetry.instruments import Instruments
 from tests.support.clock import FakeClock
-from tests.support.plans import default_outcome, drive
+from tests.support.plans import NoEngines, default_outcome, drive
 from tests.support.sessions import SpanRecorder, make_entry
 
 GiB = 1 << 30
@@ -456,21 +456,6 @@ def test_preview_refusal_is_predicted_too():
 
 # -- live: a real SessionBank through the real Executor, run by Governor.admit() -----------------
 
-
-class NoEngines:
-    """An `EnginePool` with nothing loaded."""
-
-    def handles(self):
-        return []
-
-    def eviction_blocker(self, model_id):
-        return "not loaded"
-
-    async def unload(self, model_id, reason):
-        raise LookupError(model_id)
-
-    def mark_pending_unload(self, model_id, reason):
-        raise LookupError(model_id)
 
 
 class ProcessReader:

@@ -25,7 +25,7 @@ from memory.readings import MemoryReadings
 from memory.views import EngineView
 from sessions.bank import SessionBank
 from tests.support.clock import FakeClock
-from tests.support.plans import drive
+from tests.support.plans import NoEngines, drive
 from tests.support.sessions import SpanRecorder, make_entry
 
 GiB = 1 << 30
@@ -85,19 +85,6 @@ def test_plan_hold_to_ceiling_slack_256mib():
     assert plan_hold_to_ceiling(GiB + 256 * MiB, GiB) is None
     assert plan_hold_to_ceiling(GiB + 256 * MiB + 1, GiB) == hold(GiB)
 
-
-class NoEngines:
-    def handles(self):
-        return []
-
-    def eviction_blocker(self, model_id):
-        return "not loaded"
-
-    async def unload(self, model_id, reason):
-        raise LookupError(model_id)
-
-    def mark_pending_unload(self, model_id, reason):
-        raise LookupError(model_id)
 
 
 def test_hold_performed_on_a_real_bank_keeps_active_entries_above_target():

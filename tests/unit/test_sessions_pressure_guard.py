@@ -41,7 +41,7 @@ from memory.views import EngineView
 from sessions.bank import SessionBank
 from tests.support.clock import FakeClock
 from tests.support.os_guard import PressureGuard
-from tests.support.plans import default_outcome, drive
+from tests.support.plans import NoEngines, default_outcome, drive
 from tests.support.sessions import make_entry
 
 BUDGET = 1000
@@ -230,21 +230,6 @@ def test_tick_without_a_session_tier_has_no_guard():
     d = drive(tick_plan(PolicyState(), MemoryConfig(), 0.0), [s])
     assert guard_steps(d) == [] and d.result.state.guard == GuardState()
 
-
-class NoEngines:
-    """An `EnginePool` with nothing loaded."""
-
-    def handles(self):
-        return []
-
-    def eviction_blocker(self, model_id):
-        return "not loaded"
-
-    async def unload(self, model_id, reason):
-        raise LookupError(model_id)
-
-    def mark_pending_unload(self, model_id, reason):
-        raise LookupError(model_id)
 
 
 def test_guard_shrinks_performed_on_a_real_bank_spare_active_sessions():

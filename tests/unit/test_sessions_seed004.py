@@ -50,7 +50,7 @@ from telemetry import names
 from telemetry.instruments import Instruments
 from tests.support.clock import FakeClock
 from tests.support.os_guard import PressureGuard
-from tests.support.plans import drive
+from tests.support.plans import NoEngines, drive
 from tests.support.sessions import SpanRecorder, make_entry
 
 GiB = 1 << 30
@@ -72,19 +72,6 @@ def request_for(prompt) -> AdmissionRequest:
     return AdmissionRequest(model="m", prompt_tokens=tuple(prompt), max_tokens=3,
                             kv_bytes_per_token=128 * MiB, attention_heads=0)
 
-
-class NoEngines:
-    def handles(self):
-        return []
-
-    def eviction_blocker(self, model_id):
-        return "not loaded"
-
-    async def unload(self, model_id, reason):
-        raise LookupError(model_id)
-
-    def mark_pending_unload(self, model_id, reason):
-        raise LookupError(model_id)
 
 
 class Process:
