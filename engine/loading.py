@@ -6,17 +6,30 @@ evaluated on the thread that uses it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx_lm
+import mlx_lm.utils
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import (
+    HFValidationError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils import validate_repo_id
 from mlx.utils import tree_flatten
+from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
+from engine import errors
 from engine.demo_models import kv_bytes_per_token
+from engine.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 DEFAULT_CONTEXT = 4096
+RETRY_FETCH_S = 30.0  # a repository the hub could not serve: retry after this
 
 
 @dataclass(frozen=True)
@@ -58,11 +71,13 @@ def default_model_id(source: str) -> str:
 
 
 def estimate_load_bytes(source: str) -> int | None:
-    """A local model's weight files plus 5 %; None for a repository not yet downloaded."""
+    """A local model's weight files plus 5 %; None for a repository not yet downloaded.
+    The files are the ones `mlx_lm.load` reads (``model*.safetensors``), not any other
+    safetensors a folder may hold (an adapter, a consolidated copy)."""
     folder = Path(source).expanduser()
     if not folder.is_dir():
         return None
-    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    weights = sum(f.stat().st_size for f in folder.glob("model*.safetensors"))
     return int(weights * 1.05) or None
 
 
@@ -77,9 +92,29 @@ def context_length(config: dict) -> int:
 
 
 def load_model(source: str) -> LoadedModel:
-    """`mlx_lm.load` (which downloads a repository id through huggingface_hub)."""
-    path = str(Path(source).expanduser()) if is_local(source) else source
-    model, tokenizer, config = mlx_lm.load(path, return_config=True)
+    """Loads `source` with mlx-lm (a repository id is fetched through huggingface_hub
+    first). Every failure is a PlimsollError in our words that quotes `source` as the
+    client gave it, never a resolved path, a cache folder or a library's exception:
+    NotFound (SOURCE_NOT_FOUND), InvalidArgument (not a folder nor a repository id),
+    Unavailable (SOURCE_UNAVAILABLE: the hub cannot be reached) or FailedPrecondition
+    (LOAD_FAILED: what is wrong with the folder). The cause stays chained for the log."""
+    folder = resolve_source(source)
+    config = check_model_folder(source, folder)
+    try:
+        model, config = mlx_lm.utils.load_model(folder)
+    except Exception as exc:
+        raise FailedPrecondition(
+            f"source '{source}' could not be loaded: its weights do not match its "
+            "config.json or cannot be read (the server log has the details)",
+            errors.LOAD_FAILED, resource_type="source", resource_name=source) from exc
+    try:
+        tokenizer = mlx_lm.utils.load_tokenizer(
+            folder, eos_token_ids=config.get("eos_token_id", None))
+    except Exception as exc:
+        raise FailedPrecondition(
+            f"source '{source}' could not be loaded: its tokenizer files are missing or "
+            "cannot be read (the server log has the details)",
+            errors.LOAD_FAILED, resource_type="source", resource_name=source) from exc
     params = tree_flatten(model.parameters())
     mx.eval([p for _, p in params])
     vocab = config.get("vocab_size") or len(tokenizer.get_vocab())
@@ -93,6 +128,75 @@ def load_model(source: str) -> LoadedModel:
         weights_bytes=sum(p.nbytes for _, p in params),
         attention_heads=attention_heads(config),
     )
+
+
+def _looks_like_path(source: str) -> bool:
+    return source.startswith(("/", ".", "~")) or source.count("/") > 1 or "\\" in source
+
+
+def resolve_source(source: str) -> Path:
+    """The local folder to load `source` from, fetching a repository id first."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise FailedPrecondition(f"source '{source}' is a file, not a model folder",
+                                 errors.LOAD_FAILED, resource_type="source",
+                                 resource_name=source)
+    if _looks_like_path(source):
+        raise NotFound(f"source '{source}' is not a folder on the server", "source",
+                       resource_name=source)
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        raise InvalidArgument(
+            f"source '{source}' is neither a folder on the server nor a Hugging Face "
+            "repository id (name or namespace/name)", "source") from None
+    try:
+        return Path(snapshot_download(source, allow_patterns=DEFAULT_ALLOW_PATTERNS))
+    except (RepositoryNotFoundError, RevisionNotFoundError) as exc:
+        raise NotFound(
+            f"repository '{source}' was not found on Hugging Face (or it is private or "
+            "gated)", "source", resource_name=source) from exc
+    except Exception as exc:
+        # Offline with nothing cached, the hub unreachable or failing: worth a retry.
+        raise Unavailable(
+            f"cannot fetch repository '{source}': Hugging Face could not be reached and "
+            "no copy is cached on the server", RETRY_FETCH_S,
+            reason=errors.SOURCE_UNAVAILABLE, resource_type="source",
+            resource_name=source) from exc
+
+
+def check_model_folder(source: str, folder: Path) -> dict:
+    """What mlx-lm needs before it builds anything, checked in our words: config.json
+    (valid JSON, a supported model_type, no custom code) and weight files."""
+
+    def refuse(what: str) -> FailedPrecondition:
+        return FailedPrecondition(f"source '{source}' {what}", errors.LOAD_FAILED,
+                                  resource_type="source", resource_name=source)
+
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise refuse("is not a model folder: config.json is missing")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise refuse("is not a model folder: config.json is not valid JSON") from exc
+    if not isinstance(config, dict):
+        raise refuse("is not a model folder: config.json is not a JSON object")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise refuse("is not a model folder: config.json has no model_type")
+    if config.get("model_file") is not None:
+        raise refuse("needs custom code to build its model (model_file in config.json), "
+                     "which this server does not run")
+    try:
+        mlx_lm.utils._get_classes(config)
+    except Exception as exc:
+        raise refuse(f"has model_type '{model_type}', which this server cannot load") from exc
+    if not any(folder.glob("model*.safetensors")):
+        raise refuse("has no weights: no model*.safetensors file")
+    return config
 
 
 def attention_heads(config: dict) -> int:

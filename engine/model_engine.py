@@ -19,13 +19,21 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
 from engine import allocator
-from engine.errors import Aborted, PlimsollError, ResourceExhausted, Unavailable
+from engine.errors import (
+    ENGINE_ERROR,
+    PREFILL_ABORT,
+    Aborted,
+    Internal,
+    PlimsollError,
+    Unavailable,
+)
 from engine.loading import LoadedModel, ModelFacts, load_model
 from engine.request import (
     Chunk,
@@ -43,6 +51,11 @@ from memory.store_cache import StoreCacheGate, next_cap
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05
+# Where a thread's OS-level end cannot be seen (no /proc): how long to let its
+# thread-local destructors run after the join.
+THREAD_SETTLE_S = 0.2
+THREAD_POLL_S = 0.01
+_TASKS = Path("/proc/self/task")
 
 _T = TypeVar("_T")
 
@@ -69,7 +82,8 @@ class _Live:
     cached_tokens: int
     inserted_at: float
     first_token_at: float | None = None
-    generated: int = 0
+    generated: int = 0  # tokens sampled (each holds KV), the end-of-sequence one too
+    sent: int = 0  # token ids released to the client (completion_tokens)
     prefilled: int = 0  # prompt tokens processed so far (cached ones excluded)
 
 
@@ -302,6 +316,12 @@ class ModelEngine:
         return self.stopped
 
     @property
+    def thread(self) -> threading.Thread:
+        """The engine thread; the interpreter may exit only once it is gone
+        (`wait_threads_gone`)."""
+        return self._thread
+
+    @property
     def is_loading(self) -> bool:
         return not self.loaded.done()
 
@@ -367,6 +387,11 @@ class ModelEngine:
             self._deliver(outbox, flush=True)
             live.clear()
             by_id.clear()
+            # The last step queued the next one (async eval): let it finish before the
+            # model's arrays go, so no MLX work outlives the engine.
+            with contextlib.suppress(Exception):
+                mx.synchronize(gen.stream)
+            gen.close()
             del gen, eos, no_stop
             self.info = None
             del info  # the last reference: the model's arrays go with it
@@ -510,14 +535,10 @@ class ModelEngine:
                 self._urgent = True  # time to first token is never held back
             req = item.request
             is_eos = r.finish_reason == "stop" and r.token in eos_ids and not req.ignore_eos
-            ids: list[int] = []
-            text = ""
-            stopped_by_text = False
-            if not is_eos:
-                ids.append(r.token)
-                delta = item.text.add(r.token)
-                text = delta.text
-                stopped_by_text = delta.stopped
+            # Ids go out only with their text, and neither holds a stop string's tokens
+            # nor the end-of-sequence token (engine/textstream.py has the rule).
+            pieces = [] if is_eos else item.text.add(r.token)
+            stopped_by_text = item.text.stopped
             reason = None
             if stopped_by_text or r.finish_reason == "stop":
                 reason = FinishReason.STOP
@@ -526,9 +547,12 @@ class ModelEngine:
             if stopped_by_text and r.finish_reason is None:
                 text_stopped.append(item.uid)
             if reason is not None and not stopped_by_text:
-                text += item.text.finish()
-            if ids or text:
-                outbox.append((item.sink, Chunk(ids, text)))
+                pieces += item.text.finish()
+                if item.text.stopped:  # the flushed tail completed a stop string
+                    reason = FinishReason.STOP
+            for piece in pieces:
+                item.sent += len(piece.token_ids)
+                outbox.append((item.sink, Chunk(piece.token_ids, piece.text)))
             if reason is not None:
                 outbox.append((item.sink, self._finished(item, reason, now)))
                 finished.append(item)
@@ -568,7 +592,10 @@ class ModelEngine:
     def _reset_batch(self, gen, live, by_id, outbox, exc: Exception) -> BatchGenerator:
         """A failed step leaves the batch in an unknown state: end its requests with a
         typed status and start a fresh batch, so the model keeps serving."""
-        error = Unavailable(f"generation failed on {self.model_id}: {exc}", retry_after_s=1.0)
+        # The log has the exception (log.exception above); the client gets no library text.
+        error = Internal(f"generation failed on model '{self.model_id}'; the request was "
+                         "ended and the model keeps serving", reason=ENGINE_ERROR,
+                         retry_after_s=1.0)
         for item in live.values():
             outbox.append((item.sink, Failed(error)))
         live.clear()
@@ -638,10 +665,11 @@ class ModelEngine:
             reason=reason,
             prompt_tokens=len(item.request.prompt_tokens),
             cached_tokens=item.cached_tokens,
-            completion_tokens=item.generated,
+            completion_tokens=item.sent,
             queue_seconds=item.inserted_at - item.request.created_at,
             ttft_seconds=first - item.request.created_at,
             decode_seconds=now - first,
+            matched_stop=item.text.matched,
         )
 
     def _deliver(self, outbox: list[tuple[asyncio.Queue, Event]], flush: bool) -> None:
@@ -703,6 +731,38 @@ class ModelEngine:
             for i in items)
 
 
+def thread_gone(thread: threading.Thread) -> bool:
+    """Whether `thread` has ended at the OS level, not only in Python.
+
+    `Thread.join` returns once the thread's Python state is gone; its C++ thread-local
+    destructors run after that. MLX's thread-local compile cache holds Python objects,
+    so its destructor takes the GIL: if the interpreter is finalizing by then, CPython
+    ends the thread with a forced unwind through that noexcept destructor and the
+    process aborts ("terminate called without an active exception"). On Linux the
+    thread's /proc entry outlives those destructors.
+    """
+    if thread.is_alive():
+        return False
+    if thread.native_id is None or not _TASKS.is_dir():
+        return True
+    return not (_TASKS / str(thread.native_id)).exists()
+
+
+async def wait_threads_gone(threads: Sequence[threading.Thread], timeout_s: float) -> bool:
+    """Polls until every thread is gone (`thread_gone`), releasing the GIL meanwhile
+    so their destructors can run; False when some are still there at `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not all(thread_gone(t) for t in threads):
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(THREAD_POLL_S)
+    if threads and not _TASKS.is_dir():
+        # No way to see the OS thread end: give its destructors a moment instead.
+        await asyncio.sleep(THREAD_SETTLE_S)
+    return True
+
+
 def _put_all(outbox: list[tuple[asyncio.Queue, Event]]) -> None:
     for sink, event in outbox:
         sink.put_nowait(event)
@@ -745,11 +805,12 @@ def _drop_tracebacks(exc: BaseException) -> None:
         current = current.__cause__ or current.__context__
 
 
-def _prefill_error(report: PrefillAbortReport) -> ResourceExhausted:
-    return ResourceExhausted(
+def _prefill_error(report: PrefillAbortReport) -> Aborted:
+    # After the start message: ABORTED (PREFILL_ABORT), not a shed before prefill.
+    return Aborted(
         f"prefill of {report.prompt_tokens} tokens would cross the memory ceiling's "
         "pre-chunk abort margin",
-        reason="PREFILL_EXCEEDS_CEILING",
+        reason=PREFILL_ABORT,
         retry_after_s=5.0,
         metadata={"prompt_tokens": str(report.prompt_tokens), "model": report.model_id,
                   "remaining_tokens": str(report.remaining_tokens),

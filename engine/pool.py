@@ -15,24 +15,40 @@ from enum import Enum
 
 from opentelemetry import trace
 
+from engine import errors
 from engine.errors import (
     Aborted,
+    AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     PlimsollError,
-    ResourceExhausted,
     Unavailable,
 )
-from engine.loading import default_model_id, estimate_load_bytes, is_local
-from engine.model_engine import EngineSettings, FinishHook, ModelEngine
+from engine.loading import default_model_id, estimate_load_bytes
+from engine.model_engine import (
+    EngineSettings,
+    FinishHook,
+    ModelEngine,
+    thread_gone,
+    wait_threads_gone,
+)
 from telemetry import names, tracer
 
 log = logging.getLogger(__name__)
 
+# Retry hints (RetryInfo) of the model-state errors.
+RETRY_LOADING_S = 2.0  # MODEL_LOADING: a load takes seconds
+RETRY_UNLOADING_S = 1.0  # MODEL_UNLOADING: then the state is known (usually not loaded)
+RETRY_UNLOADED_S = 1.0  # MODEL_UNLOADED: resend once the model is loaded again
+KNOWN_LISTED = 20  # model ids quoted in a MODEL_NOT_FOUND message
+
 # How often a pending unload looks again at an engine still finishing sequences
 # nobody holds any more (a cancel or abort lands within one step).
 PENDING_UNLOAD_POLL_S = 0.05
+# How long close() waits for the engine threads: a step (a prefill chunk) or a load
+# in progress ends first.
+ENGINE_STOP_TIMEOUT_S = 60.0
 
 
 class ModelState(Enum):
@@ -56,6 +72,7 @@ class ModelEntry:
     vocab_size: int = 0
     last_used: float = 0.0  # monotonic; LRU order
     last_used_wall: float = 0.0
+    loaded_at: float | None = None  # monotonic, when the load finished; the warm-up's start
     in_use: int = 0  # requests holding the model (acquire/release)
     pins: int = 0  # leases on the model (ControlService.Pin)
     pending_unload_reason: str = ""
@@ -78,6 +95,18 @@ class ModelEntry:
         # in_use covers a request from before submit until its stream ended, the
         # window the engine's own figures (its batch and held inserts) cannot see.
         return self.in_use > 0 or (self.engine is not None and self.engine.busy)
+
+
+def _model_resource(entry: ModelEntry) -> dict[str, str]:
+    return {"resource_type": "model", "resource_name": entry.model_id}
+
+
+def not_loaded(entry: ModelEntry) -> FailedPrecondition:
+    """MODEL_NOT_LOADED: known, unloaded, and nothing will load it by itself."""
+    return FailedPrecondition(
+        f"model '{entry.model_id}' is not loaded; load it with LoadModel or Pin it "
+        "(Pin loads it again from its source)",
+        errors.MODEL_NOT_LOADED, **_model_resource(entry))
 
 
 @dataclass
@@ -104,9 +133,13 @@ class ModelPool:
         self.listeners: list[Callable[[], None]] = []  # told after every load/unload
         # Called before a load with (entry, estimated bytes); may evict or raise.
         self.load_guard: Callable[[ModelEntry, int | None], Awaitable[None]] | None = None
-        self._measured: dict[str, int] = {}  # source -> bytes measured at its last load
+        self._weights: dict[str, int] = {}  # source -> weight bytes its last load held
         # model id -> the task that unloads it once idle (kept so it is not collected)
         self._pending_unloads: dict[str, asyncio.Future[None]] = {}
+        # Every engine started and not yet seen gone, unloaded ones too: close() waits
+        # for all their threads, so no MLX thread outlives the pool.
+        self._engines: set[ModelEngine] = set()
+        self._closed = False
 
     # -- lookup -------------------------------------------------------------------
     def entries(self) -> list[ModelEntry]:
@@ -118,33 +151,47 @@ class ModelPool:
         return sorted(ready, key=lambda e: e.last_used)
 
     def get(self, model_id: str) -> ModelEntry:
+        """The entry of a model the server knows, whatever its state; NotFound
+        (MODEL_NOT_FOUND) otherwise. An empty id is the default model."""
         if not model_id:
             default = next((e for e in self._entries.values() if e.is_default), None)
             if default is None:
-                raise NotFound("no default model is configured; name one in model", "model")
+                raise NotFound("no model_id given and the server has no default model; "
+                               "load one with LoadModel", "model", resource_name="")
             return default
         entry = self._entries.get(model_id)
         if entry is None:
-            known = ", ".join(sorted(self._entries)) or "none"
-            raise NotFound(f"model '{model_id}' is not known (known: {known})", "model")
+            known = sorted(self._entries)
+            listed = ", ".join(known[:KNOWN_LISTED]) or "none"
+            if len(known) > KNOWN_LISTED:
+                listed += f" and {len(known) - KNOWN_LISTED} more (ListModels)"
+            raise NotFound(f"model '{model_id}' is not known (known: {listed})", "model",
+                           resource_name=model_id)
         return entry
 
     def ready(self, model_id: str) -> ModelEntry:
+        """The entry of a model that may take requests now; otherwise the error of the
+        table (docs/errors.md): MODEL_NOT_FOUND, MODEL_LOADING, MODEL_UNLOADING (also a
+        pending unload) or MODEL_NOT_LOADED."""
         entry = self.get(model_id)
         if entry.state == ModelState.LOADING:
-            raise Unavailable(f"model '{entry.model_id}' is loading", retry_after_s=2.0)
+            raise Unavailable(f"model '{entry.model_id}' is loading; retry shortly",
+                              RETRY_LOADING_S, reason=errors.MODEL_LOADING,
+                              **_model_resource(entry))
+        if entry.state == ModelState.UNLOADING:
+            raise Unavailable(f"model '{entry.model_id}' is being unloaded",
+                              RETRY_UNLOADING_S, reason=errors.MODEL_UNLOADING,
+                              **_model_resource(entry))
         if entry.state != ModelState.READY or entry.engine is None:
-            raise Unavailable(
-                f"model '{entry.model_id}' is not loaded; load it with LoadModel",
-                retry_after_s=1.0,
-            )
+            raise not_loaded(entry)
         if entry.pending_unload_reason:
-            raise ResourceExhausted(
-                f"model '{entry.model_id}' is being unloaded under memory pressure "
+            raise Unavailable(
+                f"model '{entry.model_id}' takes no new requests: it unloads once idle "
                 f"({entry.pending_unload_reason})",
-                reason="MEMORY_PRESSURE",
-                retry_after_s=5.0,
-                metadata={"model": entry.model_id, "pending_unload": entry.pending_unload_reason},
+                RETRY_UNLOADING_S, reason=errors.MODEL_UNLOADING,
+                metadata={"model_id": entry.model_id,
+                          "pending_unload": entry.pending_unload_reason},
+                **_model_resource(entry),
             )
         return entry
 
@@ -194,8 +241,12 @@ class ModelPool:
         await self.unload_if_pending(model_id)
 
     def estimate_bytes(self, source: str) -> int | None:
-        """What loading `source` will take: measured last time, else its weight files."""
-        return self._measured.get(source) or estimate_load_bytes(source)
+        """What loading `source` will add: the larger of its weight files (plus 5 %) and
+        the weights its last load held; None when neither is known (a repository not
+        loaded yet). Not the last load's measured growth: that is process-wide MLX
+        growth, which another engine decoding meanwhile inflates or deflates."""
+        known = [b for b in (estimate_load_bytes(source), self._weights.get(source)) if b]
+        return max(known, default=None)
 
     async def unload_if_pending(self, model_id: str) -> None:
         entry = self._entries.get(model_id)
@@ -213,6 +264,9 @@ class ModelPool:
 
     # -- load / unload ------------------------------------------------------------------
     async def load(self, source: str, model_id: str = "", default: bool = False) -> ModelEntry:
+        if self._closed:
+            raise Unavailable("the server is shutting down; load on another replica",
+                              retry_after_s=1.0, reason=errors.DRAINING)
         if not source:
             raise InvalidArgument("source is empty: give a local folder or a repository id",
                                   "source")
@@ -220,11 +274,17 @@ class ModelPool:
         new = False
         async with self._lock:
             entry = self._entries.get(model_id)
+            if entry is not None and entry.state == ModelState.UNLOADING:
+                raise Unavailable(f"model '{model_id}' is being unloaded; retry to load it "
+                                  "again", RETRY_UNLOADING_S, reason=errors.MODEL_UNLOADING,
+                                  **_model_resource(entry))
             if entry is not None and entry.state in (ModelState.READY, ModelState.LOADING):
                 if entry.source != source:
-                    raise FailedPrecondition(
-                        f"model id '{model_id}' is already used by {entry.source}",
-                        "ALREADY_EXISTS",
+                    # The other source may be a server path: it is not quoted.
+                    raise AlreadyExists(
+                        f"model id '{model_id}' is already in use by another source; "
+                        "choose another model_id, or unload it first",
+                        reason=errors.MODEL_ID_IN_USE, resource_name=model_id,
                     )
                 loading = entry.engine.loaded if entry.engine else None
             else:
@@ -254,6 +314,8 @@ class ModelPool:
                 raise
         engine = ModelEngine(entry.model_id, entry.source, self._loop, self.settings,
                              self.on_finish_hook)
+        self._engines = {e for e in self._engines if not thread_gone(e.thread)}
+        self._engines.add(engine)
         entry.engine = engine
         entry.state = ModelState.LOADING
         self._notify()
@@ -267,19 +329,17 @@ class ModelPool:
                 self._notify()
                 span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
                 if isinstance(exc, PlimsollError):
-                    raise
-                if is_local(entry.source) or entry.source.startswith(("/", ".", "~")):
-                    raise NotFound(
-                        f"cannot load model from '{entry.source}': {exc}", "source"
-                    ) from exc
-                # A repository id: mlx-lm fetched it through huggingface_hub and failed.
-                raise Unavailable(
-                    f"cannot fetch repository '{entry.source}': "
-                    f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
-                    retry_after_s=30.0,
+                    raise  # engine.loading says what is wrong, in our words
+                # Unforeseen: the log has it; the client gets no library text or path.
+                log.error("load of %s failed", entry.model_id, exc_info=exc)
+                raise FailedPrecondition(
+                    f"source '{entry.source}' could not be loaded as a model (the server "
+                    "log has the details)", errors.LOAD_FAILED, resource_type="source",
+                    resource_name=entry.source,
                 ) from exc
             entry.measured_bytes = info.measured_bytes or info.weights_bytes
-            self._measured[entry.source] = entry.measured_bytes
+            if info.weights_bytes:
+                self._weights[entry.source] = info.weights_bytes
             entry.weights_bytes = info.weights_bytes
             entry.context_length = info.context_length
             entry.kv_bytes_per_token = info.kv_bytes_per_token
@@ -288,6 +348,7 @@ class ModelPool:
             entry.state = ModelState.READY
             entry.pending_unload_reason = ""
             self.touch(entry)
+            entry.loaded_at = entry.last_used
             span.set_attribute(names.ATTR_BYTES_AFTER, entry.measured_bytes)
         log.info("loaded %s from %s (%d bytes)", entry.model_id, entry.source,
                  entry.measured_bytes)
@@ -298,17 +359,24 @@ class ModelPool:
                      reason: str = "requested") -> UnloadResult:
         entry = self.get(model_id)
         engine = entry.engine
+        if entry.state == ModelState.LOADING:
+            raise Unavailable(f"model '{entry.model_id}' is loading; unload it once it is "
+                              "ready", RETRY_LOADING_S, reason=errors.MODEL_LOADING,
+                              **_model_resource(entry))
+        if entry.state == ModelState.UNLOADING:
+            raise Unavailable(f"model '{entry.model_id}' is already being unloaded",
+                              RETRY_UNLOADING_S, reason=errors.MODEL_UNLOADING,
+                              **_model_resource(entry))
         if entry.state != ModelState.READY or engine is None:
-            raise FailedPrecondition(
-                f"model '{entry.model_id}' is not loaded (state {entry.state.name.lower()})",
-                "NOT_LOADED",
-            )
+            raise FailedPrecondition(f"model '{entry.model_id}' is not loaded",
+                                     errors.MODEL_NOT_LOADED, **_model_resource(entry))
         active = engine.stats.active_requests + engine.stats.waiting_requests
         if active and not force:
             raise FailedPrecondition(
                 f"model '{entry.model_id}' has {active} active request(s); "
                 "set force to abort them",
-                "MODEL_BUSY",
+                errors.MODEL_BUSY, metadata={"active_requests": active},
+                **_model_resource(entry),
             )
         with tracer().start_as_current_span(names.SPAN_MODEL_UNLOAD) as span:
             span.set_attribute(names.ATTR_MODEL, entry.model_id)
@@ -316,9 +384,11 @@ class ModelPool:
             entry.state = ModelState.UNLOADING
             self._notify()
             error = Aborted(
-                f"model '{entry.model_id}' was unloaded ({reason})",
-                reason="MODEL_UNLOADED",
-                metadata={"model": entry.model_id},
+                f"model '{entry.model_id}' was unloaded ({reason}); the request was "
+                "ended",
+                reason=errors.MODEL_UNLOADED,
+                retry_after_s=RETRY_UNLOADED_S,
+                metadata={"model_id": entry.model_id, "unload_reason": reason},
             )
             # Shielded: a caller cancelled half way (a client gone, a deadline passed)
             # must not leave the model UNLOADING with its engine stopped under it.
@@ -340,14 +410,29 @@ class ModelPool:
         log.info("unloaded %s (%s): freed %d bytes", entry.model_id, reason, freed)
         return freed
 
-    async def close(self) -> None:
+    async def close(self, error: PlimsollError | None = None,
+                    timeout_s: float = ENGINE_STOP_TIMEOUT_S) -> None:
+        """Stops every engine (requests still running end with `error`) and waits until
+        each engine thread is gone, its MLX work finished at a step boundary; refuses
+        loads from now on. Returns early, with a warning, only after `timeout_s`."""
+        self._closed = True
         for task in list(self._pending_unloads.values()):
             task.cancel()
+        error = error or Unavailable("the server is shutting down; retry on another replica",
+                                     retry_after_s=1.0)
+        stops = [asyncio.wrap_future(e.stop(error)) for e in self._engines]
+        if stops:
+            await asyncio.wait(stops, timeout=timeout_s)
         for entry in self.entries():
-            if entry.engine is not None:
-                await asyncio.wrap_future(entry.engine.stop())
-                entry.engine = None
-                entry.state = ModelState.UNLOADED
+            entry.engine = None
+            entry.state = ModelState.UNLOADED
+        threads = [e.thread for e in self._engines]
+        if not await wait_threads_gone(threads, timeout_s):
+            alive = [t.name for t in threads if not thread_gone(t)]
+            log.warning("engine threads still running after %.0fs: %s", timeout_s,
+                        ", ".join(alive))
+            return
+        self._engines.clear()
 
     def _notify(self) -> None:
         for listener in self.listeners:

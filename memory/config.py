@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +33,9 @@ from memory.levels import (
 )
 
 MAX_RESUME_BAND_FRACTION = 0.2
+# A just-loaded model is spared idle eviction this long: about one idle poll, so the
+# tick right after a load cannot undo it (see memory.plans.eviction).
+LOAD_WARMUP_S = 10.0
 
 
 class AbortOrder(enum.StrEnum):
@@ -70,6 +74,7 @@ class MemoryConfig:
     emergency_polls: int = EMERGENCY_POLLS
     prefill_min_chunk_tokens: int = PREFILL_MIN_CHUNK_TOKENS
     prefill_max_chunk_tokens: int = PREFILL_MAX_CHUNK_TOKENS
+    load_warmup_s: float = LOAD_WARMUP_S  # 0: no warm-up
 
     # -- derived ---------------------------------------------------------------
     @property
@@ -121,6 +126,8 @@ class MemoryConfig:
             )
         if self.operator_cap_bytes is not None and self.operator_cap_bytes <= 0:
             errors.append(f"operator_cap_bytes must be > 0, got {self.operator_cap_bytes}")
+        if not 0 <= self.load_warmup_s < math.inf:
+            errors.append(f"load_warmup_s must be finite and >= 0, got {self.load_warmup_s}")
         for name in ("pool_reclaim_floor_bytes", "reclaim_grace_polls", "emergency_margin_bytes"):
             if getattr(self, name) < 0:
                 errors.append(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -104,8 +104,8 @@ def before(action: Action, level: PressureLevel, usage: int) -> dict[str, Any]:
             attrs[names.ATTR_REASON] = action.message
             attrs[names.ATTR_TRIED] = list(action.tried)
             for key, attr in (("projected_bytes", names.ATTR_PROJECTED),
-                              ("ceiling_bytes", names.ATTR_CEILING),
-                              ("threshold_bytes", names.ATTR_THRESHOLD)):
+                              ("admission_limit_bytes", names.ATTR_ADMISSION_LIMIT),
+                              ("shed_line_bytes", names.ATTR_SHED_LINE)):
                 if key in action.numbers:
                     attrs[attr] = action.numbers[key]
         case act.Transition():

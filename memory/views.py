@@ -36,6 +36,10 @@ class EngineView:
     pending_unload: bool = False
     store_cache_cap: int = 1
     max_num_seqs: int = 1
+    # Seconds since its load finished, at this measurement; None: unknown or not ready
+    # (never inside a warm-up). Idle eviction spares a model this young (see
+    # memory.plans.eviction).
+    loaded_age_s: float | None = None
 
     @property
     def busy(self) -> bool:

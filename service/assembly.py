@@ -49,7 +49,21 @@ class ServiceSettings:
     bank_per_session_max_bytes: int = 4 * GIB
     bank_max_entries: int = 256
     bank_idle_ttl_s: float = 3600.0
-    reservation_ttl_s: float = 30.0
+    reservation_ttl_s: float = 30.0  # an Admit ticket's lifetime when the client sets none
+    max_reservation_ttl_s: float = 300.0  # longer asks are clamped to this
+
+
+@dataclass(frozen=True)
+class AdmissionFigures:
+    """Admission as status and WatchPressure report it."""
+
+    paused: bool
+    reserved_bytes: int
+    reservations: int
+    running: int
+    waiting: int
+    draining: bool
+    session_bank_bytes: int
 
 
 class Service:
@@ -73,7 +87,8 @@ class Service:
             max_entries=s.bank_max_entries, idle_ttl_s=s.bank_idle_ttl_s,
             active_sessions=self.active_sessions,
         )
-        self.reservations = ReservationBook(time.monotonic, default_ttl_s=s.reservation_ttl_s)
+        self.reservations = ReservationBook(time.monotonic, default_ttl_s=s.reservation_ttl_s,
+                                            max_ttl_s=s.max_reservation_ttl_s)
         self.queue = queue_from_settings(admission)
         self.engines = PoolAdapter(pool, self.figures,
                                    min_chunk=self.memory_config.prefill_min_chunk_tokens,
@@ -113,6 +128,17 @@ class Service:
         if readings is None or limits is None:
             return 0, 0
         return readings.process_bytes, limits.ceiling_bytes
+
+    def admission_figures(self) -> AdmissionFigures:
+        running, waiting = self._request_counts()
+        return AdmissionFigures(
+            paused=self.governor.admission_paused,
+            reserved_bytes=self.reservations.reserved_bytes(),
+            reservations=len(self.reservations),
+            running=running, waiting=waiting,
+            draining=self.lifecycle.draining,
+            session_bank_bytes=self.bank.total_bytes(),
+        )
 
     def _request_counts(self) -> tuple[int, int]:
         engines = [e.engine for e in self.pool.entries() if e.engine is not None]

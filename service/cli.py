@@ -73,8 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: %(default)s)")
     s.add_argument("--max-message-mb", type=int, default=64,
                    help="largest gRPC message accepted or sent, in MiB (default: %(default)s)")
-    s.add_argument("--drain-seconds", type=float, default=30.0,
-                   help="on SIGTERM, how long in-flight streams may finish "
+    s.add_argument("--drain-seconds", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM or SIGINT: health turns NOT_SERVING and new requests "
+                   "get UNAVAILABLE at once; in-flight streams may finish for this long, "
+                   "then end with UNAVAILABLE (a second signal ends them now) "
                    "(default: %(default)s)")
     mem = s.add_argument_group("memory", "The enforcer that keeps the process under its "
                                "ceiling. Flags override --memory-config.")
@@ -104,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="enforcer interval with models loaded and idle (default: 10)")
     mem.add_argument("--poll-empty", type=float, default=None, metavar="S",
                      help="enforcer interval with no model loaded (default: 30)")
+    mem.add_argument("--load-warmup", type=float, default=None, metavar="S",
+                     help="a just-loaded model is spared idle eviction this long, except "
+                     "at hard pressure and above; 0 turns it off (default: 10)")
     mem.add_argument("--abort-order", choices=["all", "youngest", "largest"], default=None,
                      help="which requests a busy victim loses first at hard pressure "
                      "(default: all)")
@@ -115,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: %(default)s)")
     adm.add_argument("--admission-timeout", type=float, default=30.0, metavar="S",
                      help="longest wait for admission before RESOURCE_EXHAUSTED "
+                     "(default: %(default)s)")
+    adm.add_argument("--reservation-ttl", type=float, default=30.0, metavar="S",
+                     help="an Admit ticket's lifetime when the client sets none "
+                     "(default: %(default)s)")
+    adm.add_argument("--max-reservation-ttl", type=float, default=300.0, metavar="S",
+                     help="longer reservation_ttl asks are clamped to this "
                      "(default: %(default)s)")
     adm.add_argument("--no-admission-chain-shed", action="store_true",
                      help="do not shed session-cache entries (shrink_for_admission) to admit "
@@ -171,7 +182,7 @@ def _describe(err: grpc.aio.AioRpcError, args) -> str:
 
 
 async def _generate(args) -> int:
-    req = inference_pb2.GenerateRequest(model=args.model, max_tokens=args.max_tokens)
+    req = inference_pb2.GenerateRequest(model_id=args.model, max_tokens=args.max_tokens)
     if args.chat:
         req.chat.messages.add(role="user", content=args.prompt)
     else:
@@ -193,7 +204,7 @@ async def _generate(args) -> int:
                 t = msg.end.timings
                 sys.stdout.write("\n")
                 print(f"[{u.prompt_tokens} prompt + {u.completion_tokens} generated tokens, "
-                      f"ttft {t.time_to_first_token_seconds * 1000:.0f} ms, "
+                      f"ttft {(t.time_to_first_token.ToNanoseconds() / 1e9) * 1000:.0f} ms, "
                       f"{t.tokens_per_second:.1f} tok/s]", file=sys.stderr)
     return 0
 
@@ -206,7 +217,7 @@ async def _models(args) -> int:
     for m in resp.models:
         state = control_pb2.ModelState.Name(m.state).removeprefix("MODEL_STATE_").lower()
         mark = "*" if m.is_default else ""
-        print(f"{m.id + mark:<24} {state:<10} {m.measured_bytes / MiB:>8.1f} "
+        print(f"{m.model_id + mark:<24} {state:<10} {m.measured_bytes / MiB:>8.1f} "
               f"{m.active_requests:>6} {m.context_length:>8}  {m.source}")
     return 0
 
@@ -237,6 +248,7 @@ def memory_config(args) -> MemoryConfig:
         "idle_poll_s": args.poll_idle,
         "empty_poll_s": args.poll_empty,
         "abort_order": args.abort_order,
+        "load_warmup_s": args.load_warmup,
         "enabled": False if args.no_enforcer else None,
     }
     values.update({k: v for k, v in flags.items() if v is not None})
@@ -268,6 +280,8 @@ def _serve(args) -> int:
     rt.scheduler_mode = args.scheduler_mode
     rt.admission_queue_limit = args.admission_queue_limit
     rt.admission_timeout_s = args.admission_timeout
+    rt.reservation_ttl_s = args.reservation_ttl
+    rt.max_reservation_ttl_s = args.max_reservation_ttl
     rt.chain_shed = not args.no_admission_chain_shed
     rt.session_bank = not args.no_session_bank
     rt.bank_max_bytes = int(args.session_bank_gb * 1024**3)
@@ -284,6 +298,8 @@ def _serve(args) -> int:
                         ("--max-message-mb", args.max_message_mb)):
         if value <= 0:
             raise CliError(f"{name} must be > 0, got {value}")
+    if args.drain_seconds < 0:
+        raise CliError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
     asyncio.run(serve(config))
     return 0
 

@@ -9,7 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from engine.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
+from engine.errors import (
+    MODEL_PINNED,
+    FailedPrecondition,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from engine.pool import ModelEntry, ModelPool, ModelState, UnloadResult
 from memory.governor import Governor
 from service.lifecycle import Lifecycle, settle_heap
@@ -29,28 +35,29 @@ class ControlPlane:
     # -- models -----------------------------------------------------------------------
     async def load_model(self, source: str, model_id: str = "") -> ModelEntry:
         if self.lifecycle.draining:
-            raise Unavailable("server is draining", retry_after_s=1.0)
+            raise Unavailable("server is draining", retry_after_s=1.0, reason="DRAINING")
         entry = await self.pool.load(source, model_id)
         settle_heap()
         return entry
 
-    async def unload_model(self, model_id: str, force: bool) -> UnloadResult:
-        """A pinned model unloads only with `force`, which releases its leases too."""
+    async def unload_model(self, model_id: str, force: bool) -> tuple[UnloadResult, int]:
+        """A pinned model unloads only with `force`, which releases its leases too
+        -> (what the unload freed, leases released)."""
         entry = self.pool.get(model_id)
         if entry.pinned and not force:
             raise FailedPrecondition(
                 f"model '{entry.model_id}' is pinned by {entry.pins} lease(s); "
-                "set force to unload it and release them", "MODEL_PINNED")
+                "set force to unload it and release them", MODEL_PINNED,
+                resource_type="model", resource_name=entry.model_id)
         result = await self.pool.unload(model_id, force=force)
-        for held in self.leases.leases():
-            if held.lease.model_id == entry.model_id:
-                self.leases.unpin(held.lease_id)
+        released = [self.leases.unpin(h.lease_id) for h in self.leases.leases()
+                    if h.lease.model_id == entry.model_id]
         self._recount_pins(entry.model_id)
-        return result
+        return result, len(released)
 
     async def make_room_for_load(self, entry: ModelEntry, estimate: int | None) -> None:
         """Before a load (the pool's load guard): evict idle LRU models down to the
-        soft mark; refuse when the model cannot fit under the ceiling even then."""
+        soft mark; refuse when the model cannot fit under the soft mark even then."""
         if estimate is None or not self.governor.config.enabled:
             return  # a repository not downloaded yet: the tick handles what follows
         result = await self.governor.make_room_for_load(entry.model_id, estimate)
@@ -59,7 +66,8 @@ class ControlPlane:
             raise ResourceExhausted(
                 refusal.message, reason=refusal.error_reason,
                 retry_after_s=refusal.retry_after_s,
-                metadata={k: str(v) for k, v in refusal.numbers.items()},
+                metadata={**{k: str(v) for k, v in refusal.numbers.items()},
+                          "binding": refusal.binding},
             )
 
     def drop_sessions_of_unloaded_models(self) -> None:
@@ -71,29 +79,41 @@ class ControlPlane:
                 self.bank.drop_model(e.model_id)
 
     # -- pins ---------------------------------------------------------------------------
-    async def pin_model(self, model_id: str, owner: str, ttl_s: float | None) -> HeldLease:
+    async def pin_model(self, model_id: str, owner: str, ttl_s: float | None,
+                        client_request_id: str = "") -> HeldLease:
         # A model the server does not know is NOT_FOUND: only LoadModel, with a
         # source, fetches or loads anything new.
         entry = self.pool.get(model_id)
+        again = self.leases.retried(client_request_id, model_id=entry.model_id)
+        if again is not None:
+            return again
         while entry.state == ModelState.UNLOADING:
             await asyncio.sleep(0.05)  # let the unload finish, then load it again
         if entry.state == ModelState.UNLOADED:
             # Pinning a known, unloaded model loads it again from its source.
             entry = await self.load_model(entry.source, entry.model_id)
-        lease = self.leases.pin_model(entry.model_id, owner, ttl_s)
+        again = self.leases.retried(client_request_id, model_id=entry.model_id)
+        if again is not None:  # the same retry raced this one through the load
+            return again
+        lease = self.leases.pin_model(entry.model_id, owner, ttl_s, client_request_id)
         self._recount_pins(entry.model_id)
         self._expire_after(ttl_s)
         return lease
 
-    def pin_session(self, session_id: str, owner: str, ttl_s: float | None) -> HeldLease:
-        lease = self.leases.pin_session(session_id, owner, ttl_s)
+    def pin_session(self, session_id: str, owner: str, ttl_s: float | None,
+                    client_request_id: str = "") -> HeldLease:
+        again = self.leases.retried(client_request_id, session_id=session_id)
+        if again is not None:
+            return again
+        lease = self.leases.pin_session(session_id, owner, ttl_s, client_request_id)
         self._expire_after(ttl_s)
         return lease
 
     def unpin(self, lease_id: str) -> HeldLease:
         held = self.leases.unpin(lease_id)
         if held is None:
-            raise NotFound(f"lease '{lease_id}' is not held (expired or never taken)", "lease")
+            raise NotFound(f"lease '{lease_id}' is not held (expired or never taken)", "lease",
+                           resource_name=lease_id)
         if held.lease.model_id:
             self._recount_pins(held.lease.model_id)
         return held
@@ -116,5 +136,6 @@ class ControlPlane:
     def drop_session(self, session_id: str) -> tuple[int, int]:
         entries, freed = self.bank.drop_session(session_id)
         if not entries:
-            raise NotFound(f"session '{session_id}' has no cached entries", "session_id")
+            raise NotFound(f"session '{session_id}' has no cached entries", "session",
+                           resource_name=session_id)
         return entries, freed

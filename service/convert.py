@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
 import time
 
-from google.protobuf import timestamp_pb2
+from google.protobuf import duration_pb2, timestamp_pb2
 
 from engine.pool import ModelEntry, ModelState
 from engine.request import ChatMessage, Chunk, Finished, FinishReason, SamplingParams
-from memory.levels import PressureLevel
+from memory import ceiling
+from memory.ceiling import Limits
+from memory.levels import PressureLevel, Tier
+from memory.plans.admission import admission_lines
 from plimsoll.v1 import control_pb2, inference_pb2, types_pb2
 from service.generate import Admitted, GenerateSpec
 from sessions.leases import HeldLease
@@ -16,6 +20,26 @@ from sessions.leases import HeldLease
 _FINISH = {
     FinishReason.STOP: inference_pb2.FINISH_REASON_STOP,
     FinishReason.LENGTH: inference_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORTED: inference_pb2.FINISH_REASON_ABORTED,
+}
+_TERMS = {
+    ceiling.TERM_STATIC: types_pb2.CEILING_TERM_STATIC,
+    ceiling.TERM_DYNAMIC: types_pb2.CEILING_TERM_DYNAMIC,
+    ceiling.TERM_CONTAINER: types_pb2.CEILING_TERM_CONTAINER,
+    ceiling.TERM_DEVICE: types_pb2.CEILING_TERM_DEVICE,
+    ceiling.TERM_CUSTOM: types_pb2.CEILING_TERM_CUSTOM,
+    ceiling.TERM_OPERATOR: types_pb2.CEILING_TERM_OPERATOR,
+}
+_TIERS = {
+    Tier.SAFE: types_pb2.MEMORY_GUARD_TIER_SAFE,
+    Tier.BALANCED: types_pb2.MEMORY_GUARD_TIER_BALANCED,
+    Tier.AGGRESSIVE: types_pb2.MEMORY_GUARD_TIER_AGGRESSIVE,
+    Tier.CUSTOM: types_pb2.MEMORY_GUARD_TIER_CUSTOM,
+}
+_OS_PRESSURE = {
+    "normal": types_pb2.OS_PRESSURE_NORMAL,
+    "warning": types_pb2.OS_PRESSURE_WARNING,
+    "critical": types_pb2.OS_PRESSURE_CRITICAL,
 }
 _STATE = {
     ModelState.LOADING: control_pb2.MODEL_STATE_LOADING,
@@ -41,7 +65,7 @@ def sampling_from_wire(s: inference_pb2.SamplingParams) -> SamplingParams:
 def spec_from_wire(req: inference_pb2.GenerateRequest) -> GenerateSpec:
     which = req.WhichOneof("prompt")
     return GenerateSpec(
-        model=req.model,
+        model=req.model_id,
         text=req.text if which == "text" else None,
         token_ids=list(req.token_ids.ids) if which == "token_ids" else None,
         chat=(
@@ -63,7 +87,7 @@ def start_to_wire(a: Admitted) -> inference_pb2.GenerateResponse:
     return inference_pb2.GenerateResponse(
         start=inference_pb2.GenerateStart(
             request_id=a.request_id,
-            model=a.model_id,
+            model_id=a.model_id,
             prompt_tokens=a.prompt_tokens,
             cached_tokens=a.cached_tokens,
             pressure_level=a.pressure_level,
@@ -88,11 +112,12 @@ def end_to_wire(f: Finished) -> inference_pb2.GenerateResponse:
                 completion_tokens=f.completion_tokens,
             ),
             timings=inference_pb2.Timings(
-                queue_seconds=f.queue_seconds,
-                time_to_first_token_seconds=f.ttft_seconds,
-                decode_seconds=f.decode_seconds,
+                queue_duration=duration(f.queue_seconds),
+                time_to_first_token=duration(f.ttft_seconds),
+                decode_duration=duration(f.decode_seconds),
                 tokens_per_second=tps,
             ),
+            matched_stop=f.matched_stop,
         )
     )
 
@@ -103,9 +128,15 @@ def timestamp(seconds: float) -> timestamp_pb2.Timestamp:
     return ts
 
 
+def duration(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
 def model_to_wire(e: ModelEntry) -> control_pb2.ModelInfo:
     info = control_pb2.ModelInfo(
-        id=e.model_id,
+        model_id=e.model_id,
         source=e.source,
         state=_STATE[e.state],
         measured_bytes=e.measured_bytes if e.state == ModelState.READY else 0,
@@ -120,7 +151,7 @@ def model_to_wire(e: ModelEntry) -> control_pb2.ModelInfo:
         pending_unload=e.pending_unload_reason,
     )
     if e.last_used_wall:
-        info.last_used.CopyFrom(timestamp(e.last_used_wall))
+        info.last_used_time.CopyFrom(timestamp(e.last_used_wall))
     return info
 
 
@@ -134,7 +165,8 @@ _READING_FIELDS = (
 
 
 def readings_to_wire(r) -> types_pb2.MemoryReadings:
-    msg = types_pb2.MemoryReadings(os_pressure=r.os_pressure or "", sources=r.sources)
+    msg = types_pb2.MemoryReadings(os_pressure=_OS_PRESSURE.get(r.os_pressure or "", 0),
+                                   sources=r.sources)
     for name in _READING_FIELDS:
         value = getattr(r, name)
         if value is not None:
@@ -142,15 +174,19 @@ def readings_to_wire(r) -> types_pb2.MemoryReadings:
     return msg
 
 
-def limits_to_wire(limits) -> types_pb2.MemoryLimits:
+def limits_to_wire(limits: Limits) -> types_pb2.MemoryLimits:
+    admission = admission_lines(limits)
     return types_pb2.MemoryLimits(
         ceiling_bytes=limits.ceiling_bytes,
         soft_bytes=limits.soft_bytes,
         hard_bytes=limits.hard_bytes,
         abort_cap_bytes=limits.abort_cap_bytes,
-        binding_term=limits.binding_term,
-        terms={k: int(v) for k, v in limits.terms.items()},
-        tier=str(limits.tier),
+        binding_term=_TERMS[limits.binding_term],
+        terms=[types_pb2.CeilingTermBytes(term=_TERMS[k], bytes=int(v))
+               for k, v in limits.terms.items()],
+        tier=_TIERS[limits.tier],
+        admission_limit_bytes=admission.limit_bytes,
+        admission_shed_bytes=admission.shed_bytes,
     )
 
 
@@ -169,12 +205,35 @@ def transition_to_wire(t, readings, limits) -> control_pb2.PressureTransition:
     )
 
 
-def sample_to_wire(sample) -> control_pb2.PressureSample:
+def sample_to_wire(sample, admission: types_pb2.AdmissionState) -> control_pb2.PressureSample:
     return control_pb2.PressureSample(
         level=level_to_wire(sample.level),
         readings=readings_to_wire(sample.readings),
         limits=limits_to_wire(sample.limits),
+        admission=admission,
     )
+
+
+# memory.recording's event kinds → the wire enum (a kind missing here fails at import
+# of the test that checks every TABLE entry).
+ACTION_KINDS = {
+    "clear_aux_caches": control_pb2.ENFORCER_ACTION_KIND_CLEAR_AUX_CACHES,
+    "pressure_reclaim": control_pb2.ENFORCER_ACTION_KIND_PRESSURE_RECLAIM,
+    "idle_reclaim": control_pb2.ENFORCER_ACTION_KIND_IDLE_RECLAIM,
+    "shrink_sessions": control_pb2.ENFORCER_ACTION_KIND_SHRINK_SESSIONS,
+    "expire_sessions": control_pb2.ENFORCER_ACTION_KIND_EXPIRE_SESSIONS,
+    "evict_model": control_pb2.ENFORCER_ACTION_KIND_EVICT_MODEL,
+    "abort_requests": control_pb2.ENFORCER_ACTION_KIND_ABORT_REQUESTS,
+    "mark_pending_unload": control_pb2.ENFORCER_ACTION_KIND_MARK_PENDING_UNLOAD,
+    "abort_load": control_pb2.ENFORCER_ACTION_KIND_ABORT_LOAD,
+    "prefill_abort": control_pb2.ENFORCER_ACTION_KIND_PREFILL_ABORT,
+    "refuse": control_pb2.ENFORCER_ACTION_KIND_REFUSE_ADMISSION,
+    "refuse_load": control_pb2.ENFORCER_ACTION_KIND_REFUSE_LOAD,
+    "pause_admission": control_pb2.ENFORCER_ACTION_KIND_PAUSE_ADMISSION,
+    "resume_admission": control_pb2.ENFORCER_ACTION_KIND_RESUME_ADMISSION,
+    "store_cache_cap": control_pb2.ENFORCER_ACTION_KIND_STORE_CACHE_CAP,
+    "batch_cap": control_pb2.ENFORCER_ACTION_KIND_BATCH_CAP,
+}
 
 
 # -- leases and sessions → wire ---------------------------------------------------------
@@ -187,13 +246,14 @@ def _wall(monotonic_at: float) -> float:
 def lease_to_wire(held: HeldLease) -> control_pb2.Lease:
     """A lease on a model or on a session's cache."""
     lease = held.lease
-    msg = control_pb2.Lease(lease_id=lease.lease_id, owner=lease.owner)
+    msg = control_pb2.Lease(lease_id=lease.lease_id, owner=lease.owner,
+                            client_request_id=lease.client_request_id)
     if lease.model_id:
-        msg.model = lease.model_id
+        msg.model_id = lease.model_id
     else:
         msg.session_id = lease.session_id
     if held.expires_at is not None:
-        msg.expires_at.CopyFrom(timestamp(_wall(held.expires_at)))
+        msg.expire_time.CopyFrom(timestamp(_wall(held.expires_at)))
     return msg
 
 
@@ -202,8 +262,9 @@ def session_to_wire(info, pinned: bool) -> control_pb2.SessionInfo:
         session_id=info.session_id or "",
         entries=[
             control_pb2.SessionEntry(
-                model=e.model, prefix_tokens=e.prefix_tokens, bytes=e.nbytes,
-                terminal=e.terminal, hits=e.hits, last_access=timestamp(_wall(e.last_access)),
+                model_id=e.model, prefix_tokens=e.prefix_tokens, bytes=e.nbytes,
+                terminal=e.terminal, hits=e.hits,
+                last_access_time=timestamp(_wall(e.last_access)),
             )
             for e in info.entries
         ],
@@ -211,3 +272,18 @@ def session_to_wire(info, pinned: bool) -> control_pb2.SessionInfo:
         active=info.active,
         pinned=pinned,
     )
+
+
+def admission_to_wire(a) -> types_pb2.AdmissionState:
+    """`service.assembly.AdmissionFigures` on the wire."""
+    return types_pb2.AdmissionState(
+        paused=a.paused, reserved_bytes=a.reserved_bytes, reservations=a.reservations,
+        running=a.running, waiting=a.waiting, draining=a.draining,
+        session_bank_bytes=a.session_bank_bytes,
+    )
+
+
+def label(enum_type, value: int) -> str:
+    """A wire enum value as a short lowercase word: CEILING_TERM_DYNAMIC -> "dynamic"."""
+    prefix = re.sub(r"(?<!^)(?=[A-Z])", "_", enum_type.DESCRIPTOR.name).upper() + "_"
+    return enum_type.Name(value).removeprefix(prefix).lower()

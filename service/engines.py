@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.errors import Aborted, PlimsollError
+from engine.errors import ENFORCER_ABORT, Aborted, PlimsollError
 from engine.model_engine import MlxSample, ModelEngine, PrefillAbortReport
 from engine.pool import ModelEntry, ModelPool, ModelState
 from memory.actions import PrefillAborted
@@ -104,13 +105,15 @@ class EngineHandleAdapter:
     """One model as the executor sees it (`memory.protocols.EngineHandle`)."""
 
     def __init__(self, entry: ModelEntry, figures: Figures, make_guard: GuardMaker,
-                 report: Callable[[PrefillAbortReport], None]) -> None:
+                 report: Callable[[PrefillAbortReport], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.model_id = entry.model_id
         self.entry = entry
         self.engine = entry.engine  # the handle is for this engine; a reload gets a new one
         self._figures = figures
         self._make_guard = make_guard
         self._report = report
+        self._clock = clock
         self.guard: PrefillGuard | None = None
 
     @property
@@ -141,7 +144,15 @@ class EngineHandleAdapter:
             pending_unload=bool(e.pending_unload_reason),
             store_cache_cap=engine.store_gate.cap if engine else 1,
             max_num_seqs=engine.settings.max_num_seqs if engine else 1,
+            loaded_age_s=self._loaded_age(),
         )
+
+    def _loaded_age(self) -> float | None:
+        """Seconds since the load finished; None unless the model is ready."""
+        e = self.entry
+        if e.state is not ModelState.READY or e.loaded_at is None:
+            return None
+        return max(0.0, self._clock() - e.loaded_at)
 
     def request_pressure_reclaim(self) -> bool:
         engine = self._engine
@@ -171,7 +182,7 @@ class EngineHandleAdapter:
         error = Aborted(
             f"aborted by the memory enforcer ({reason}): usage {usage} bytes, "
             f"ceiling {ceiling} bytes",
-            reason="MEMORY_PRESSURE",
+            reason=ENFORCER_ABORT,
             retry_after_s=2.0,
             metadata={"usage_bytes": str(usage), "ceiling_bytes": str(ceiling),
                       "enforcer_reason": reason, "model": self.model_id},
@@ -218,8 +229,11 @@ class PoolAdapter:
     """
 
     def __init__(self, pool: ModelPool, figures: Figures, *, min_chunk: int,
-                 max_chunk: int) -> None:
+                 max_chunk: int, clock: Callable[[], float] = time.monotonic) -> None:
+        # `clock` must be the pool's (it stamps `ModelEntry.loaded_at`): both default
+        # to time.monotonic.
         self._pool = pool
+        self._clock = clock
         self._figures = figures
         self._min_chunk = min_chunk
         self._max_chunk = max_chunk
@@ -233,7 +247,7 @@ class PoolAdapter:
             h = self._handles.get(e.model_id)
             if h is None or h.engine is not e.engine:
                 self._handles[e.model_id] = EngineHandleAdapter(
-                    e, self._figures, self._make_guard, self._on_prefill_abort)
+                    e, self._figures, self._make_guard, self._on_prefill_abort, self._clock)
         return [self._handles[e.model_id] for e in live]
 
     def _make_guard(self, entry: ModelEntry) -> PrefillGuard:

@@ -14,7 +14,15 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from engine.errors import (
+    MODEL_UNLOADING,
+    FailedPrecondition,
+    NotFound,
+    PlimsollError,
+    ResourceExhausted,
+    Unavailable,
+    Violations,
+)
 from engine.pool import ModelEntry, ModelPool
 from engine.request import (
     DEFAULT_MAX_TOKENS,
@@ -22,19 +30,31 @@ from engine.request import (
     Chunk,
     Event,
     Failed,
+    Finished,
+    FinishReason,
     GenerationRequest,
     SamplingParams,
     validate_against_model,
+    validate_chat,
+    validate_stop,
 )
 from memory.governor import Governor
 from memory.levels import PressureLevel
-from memory.plans.admission import AdmissionRequest, AdmissionResult, own_bytes
+from memory.plans.admission import (
+    BINDING_IN_FLIGHT_LIMIT,
+    ERROR_REASONS,
+    RETRY_AFTER_WAIT_S,
+    AdmissionRequest,
+    AdmissionResult,
+    Verdict,
+    own_bytes,
+)
 from service.lifecycle import Lifecycle
 from service.metrics import RequestMetrics
 from sessions.activity import ActiveSessions
 from sessions.admission import AdmissionQueue, AdmissionSlot, QueueOutcome
 from sessions.bank import SessionBank, SessionEntry
-from sessions.reservations import ReservationBook
+from sessions.reservations import Grant, Reservation, ReservationBook, request_digest
 from telemetry import names, tracer
 
 DEFAULT_CHUNK_TOKENS = 64
@@ -70,11 +90,21 @@ class Admitted:
 
 @dataclass
 class AdmitReport:
-    """The answer to ControlService.Admit."""
+    """The answer to ControlService.Admit: what Generate would do at that instant."""
 
     result: AdmissionResult
-    ticket: str = ""
+    verdict: Verdict
+    binding: str | None
+    error_reason: str | None
+    retry_after_s: float | None
+    reason: str
+    reserved: Grant | None = None
     ticket_expires_at: float = 0.0  # wall clock
+
+    @classmethod
+    def of(cls, result: AdmissionResult) -> AdmitReport:
+        return cls(result, result.verdict, result.binding, result.error_reason,
+                   result.retry_after_s, result.reason)
 
 
 @dataclass
@@ -107,17 +137,30 @@ class GeneratePipeline:
     def prepare(self, spec: GenerateSpec) -> tuple[ModelEntry, GenerationRequest]:
         """Resolve, tokenize and validate; raises a PlimsollError naming the field."""
         if self.lifecycle.draining:
-            raise Unavailable("server is draining; retry on another replica", retry_after_s=1.0)
-        spec.sampling.validate()
-        entry = self.pool.ready(spec.model)
+            raise Unavailable("server is draining; retry on another replica", retry_after_s=1.0,
+                              reason="DRAINING")
+        # Every bad field is reported at once (one BadRequest listing them all).
+        violations = Violations()
+        spec.sampling.validate(violations)
+        validate_stop(spec.stop, violations)
+        try:
+            entry = self.pool.ready(spec.model)
+        except PlimsollError:
+            violations.raise_if_any()  # bad fields first: they would fail on any model
+            raise
         info = entry.engine.info if entry.engine else None
         if info is None:
-            raise Unavailable(f"model '{entry.model_id}' is not ready", retry_after_s=1.0)
-        tokens = tokenize(info.tokenizer, spec)
+            raise Unavailable(f"model '{entry.model_id}' is being unloaded",
+                              retry_after_s=1.0, reason=MODEL_UNLOADING)
+        before = len(violations)
+        tokens = tokenize(info.tokenizer, spec, violations)
         max_tokens = spec.max_tokens or min(
             self.settings.default_max_tokens, max(1, info.context_length - len(tokens))
         )
-        validate_against_model(tokens, max_tokens, info.vocab_size, info.context_length)
+        if len(violations) == before:  # a prompt was given: check it against the model
+            validate_against_model(tokens, max_tokens, info.vocab_size, info.context_length,
+                                   violations)
+        violations.raise_if_any()
         request = GenerationRequest(
             request_id=f"req-{self._prefix}-{next(self._ids)}",
             model_id=entry.model_id,
@@ -132,7 +175,7 @@ class GeneratePipeline:
         return entry, request
 
     def _admission_request(self, entry: ModelEntry, request: GenerationRequest,
-                           holds_slot: bool) -> AdmissionRequest:
+                           holds_slot: bool, own_reservation_bytes: int = 0) -> AdmissionRequest:
         return AdmissionRequest(
             model=entry.model_id,
             prompt_tokens=tuple(request.prompt_tokens),
@@ -141,39 +184,82 @@ class GeneratePipeline:
             attention_heads=entry.attention_heads,
             prefill_step_size=self.pool.settings.prefill_step_size,
             holds_slot=holds_slot,
+            own_reservation_bytes=own_reservation_bytes,
         )
 
     # -- Admit ------------------------------------------------------------------------------
-    async def admit(self, spec: GenerateSpec, reserve: bool, ttl_s: float | None) -> AdmitReport:
+    async def admit(self, spec: GenerateSpec, reserve: bool, ttl_s: float | None,
+                    client_request_id: str = "") -> AdmitReport:
         """ControlService.Admit: the admission Generate would run, as a preview."""
         entry, request = self.prepare(spec)
-        result = await self.governor.admit(self._admission_request(entry, request, False),
-                                           preview=True)
+        redeemed = self._ticket_for(spec, entry, request, consume=False)
+        result = await self.governor.admit(
+            self._admission_request(entry, request, False,
+                                    redeemed.nbytes if redeemed is not None else 0),
+            preview=True)
         if result is None:
-            raise Unavailable("memory could not be measured; retry", retry_after_s=1.0)
-        report = AdmitReport(result)
-        if reserve and result.admitted:
-            ticket = self.reservations.reserve(own_bytes(result.decision.inputs),
-                                               entry.model_id, ttl_s)
-            report.ticket = ticket.ticket
-            report.ticket_expires_at = time.time() + (ticket.expires_at - time.monotonic())
+            raise Unavailable("memory could not be measured; retry", retry_after_s=1.0,
+                              reason="MEMORY_NOT_MEASURED")
+        report = AdmitReport.of(result)
+        if self.in_flight >= self.settings.max_queued_requests:
+            # Generate checks its in-flight limit before admission: it would be refused.
+            report.verdict, report.binding = Verdict.WAIT, BINDING_IN_FLIGHT_LIMIT
+            report.error_reason = ERROR_REASONS[BINDING_IN_FLIGHT_LIMIT]
+            report.retry_after_s = RETRY_AFTER_WAIT_S
+            report.reason = self._in_flight_message()
+        if reserve and report.verdict in (Verdict.ADMIT, Verdict.ADMIT_AFTER_SHEDDING):
+            grant = self.reservations.reserve(
+                own_bytes(result.decision.inputs), entry.model_id, _digest(request), ttl_s,
+                client_request_id)
+            report.reserved = grant
+            held = grant.reservation
+            report.ticket_expires_at = time.time() + (held.expires_at - time.monotonic())
+            if grant.clamped:
+                report.reason += (f"; reservation_ttl clamped to the server maximum "
+                                  f"{self.reservations.max_ttl_s:g}s")
         return report
+
+    def _ticket_for(self, spec: GenerateSpec, entry: ModelEntry, request: GenerationRequest,
+                    *, consume: bool) -> Reservation | None:
+        """The reservation `spec.admission_ticket` names, checked against the request it
+        was issued for; `consume` redeems it (the Generate that carries it)."""
+        if not spec.admission_ticket:
+            return None
+        book = self.reservations
+        held = book.redeem(spec.admission_ticket) if consume else book.get(spec.admission_ticket)
+        if held is None:
+            raise NotFound(f"admission_ticket '{spec.admission_ticket}' is unknown, expired "
+                           "or already redeemed", "ticket",
+                           resource_name=spec.admission_ticket)
+        if held.model != entry.model_id or held.digest != _digest(request):
+            raise FailedPrecondition(
+                f"admission_ticket '{spec.admission_ticket}' was issued for another request "
+                f"(model '{held.model}'); a ticket is bound to its model, prompt and "
+                "max_tokens", reason="TICKET_MISMATCH")
+        return held
+
+    def _in_flight_message(self) -> str:
+        return (f"{self.in_flight} requests in flight, the limit is "
+                f"{self.settings.max_queued_requests}")
 
     # -- Generate -----------------------------------------------------------------------------
     async def generate(self, spec: GenerateSpec) -> AsyncIterator[Admitted | Event]:
-        entry, request = self.prepare(spec)
+        try:
+            entry, request = self.prepare(spec)
+            # A ticket ends with the Generate that carries it, however that ends.
+            self._ticket_for(spec, entry, request, consume=True)
+        except PlimsollError:
+            if spec.admission_ticket:
+                self.reservations.redeem(spec.admission_ticket)
+            raise
         if self.in_flight >= self.settings.max_queued_requests:
             raise ResourceExhausted(
-                f"{self.in_flight} requests in flight, the limit is "
-                f"{self.settings.max_queued_requests}",
-                reason="QUEUE_FULL",
-                retry_after_s=1.0,
+                self._in_flight_message(),
+                reason=ERROR_REASONS[BINDING_IN_FLIGHT_LIMIT],
+                retry_after_s=RETRY_AFTER_WAIT_S,
                 metadata={"in_flight": str(self.in_flight),
                           "limit": str(self.settings.max_queued_requests)},
             )
-        if spec.admission_ticket and self.reservations.redeem(spec.admission_ticket) is None:
-            raise NotFound(f"admission_ticket '{spec.admission_ticket}' is unknown or expired",
-                           "admission_ticket")
         self.governor.note_activity()
         with tracer().start_as_current_span(names.SPAN_GENERATE) as span:
             span.set_attribute(names.ATTR_REQUEST_ID, request.request_id)
@@ -202,6 +288,9 @@ class GeneratePipeline:
         result = await self.queue.acquire(self.settings.admission_timeout_s)
         if result.outcome is QueueOutcome.ADMITTED and result.slot is not None:
             return result.slot
+        if result.outcome is QueueOutcome.CLOSED:
+            raise Unavailable("server is shutting down; retry on another replica",
+                              retry_after_s=1.0, reason="DRAINING")
         full = result.outcome is QueueOutcome.QUEUE_FULL
         level = self.governor.level.label
         self.metrics.admitted("queue_full" if full else "wait_timeout", "")
@@ -209,7 +298,7 @@ class GeneratePipeline:
             ("admission queue is full" if full else
              f"waited {result.waited_s:.1f}s for admission ({result.binding})")
             + f"; level {level}",
-            reason="QUEUE_FULL" if full else "MEMORY_PRESSURE",
+            reason="QUEUE_FULL" if full else "ADMISSION_TIMEOUT",
             retry_after_s=result.retry_after_s or 1.0,
             metadata={"binding": result.binding or "", "level": level,
                       "waiting": str(self.queue.waiting)},
@@ -240,7 +329,8 @@ class GeneratePipeline:
             return None, 0
         return restored.payload, restored.prefix_len
 
-    async def _stream(self, entry, request, cache, cached, span):
+    async def _stream(self, entry: ModelEntry, request: GenerationRequest,
+                      cache: list | None, cached: int, span) -> AsyncIterator[Admitted | Event]:
         # Waiting for a slot or for admission took time: the model may have been marked
         # for a pending unload (refuse new work) or unloaded meanwhile.
         self.pool.ready(entry.model_id)
@@ -249,6 +339,7 @@ class GeneratePipeline:
             raise Unavailable(f"model '{entry.model_id}' was unloaded", retry_after_s=1.0)
         sink: asyncio.Queue[Event] = asyncio.Queue()
         done = False
+        progress = _Progress(time.monotonic(), len(request.prompt_tokens), cached)
         try:
             engine.submit(request, sink, cache, cached)
             yield Admitted(request.request_id, entry.model_id, len(request.prompt_tokens),
@@ -262,15 +353,19 @@ class GeneratePipeline:
                     limit = request.max_tokens_per_chunk or DEFAULT_CHUNK_TOKENS
                     while not sink.empty() and len(event.token_ids) < limit:
                         nxt = sink.get_nowait()
-                        if not isinstance(nxt, Chunk):
-                            pending = nxt
+                        if (not isinstance(nxt, Chunk)
+                                or len(event.token_ids) + len(nxt.token_ids) > limit):
+                            pending = nxt  # an end, or a chunk that would overfill this one
                             break
                         event = Chunk(event.token_ids + nxt.token_ids, event.text + nxt.text)
+                    progress.saw(len(event.token_ids))
                     yield event
                     continue
                 done = True
                 if isinstance(event, Failed):
                     span.set_attribute(names.ATTR_REASON, str(event.error))
+                    # Once started, a stream always ends with its usage, then the status.
+                    yield progress.aborted()
                     raise event.error
                 span.set_attribute(names.ATTR_FINISH_REASON, event.reason.value)
                 span.set_attribute(names.ATTR_COMPLETION_TOKENS, event.completion_tokens)
@@ -294,29 +389,70 @@ class GeneratePipeline:
                                    nbytes=nbytes))
 
 
-def tokenize(tokenizer, spec: GenerateSpec) -> list[int]:
+@dataclass
+class _Progress:
+    """What a stream has sent so far: the usage of a stream that ends early."""
+
+    submitted_at: float
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int = 0
+    first_at: float | None = None
+    last_at: float | None = None
+
+    def saw(self, tokens: int) -> None:
+        now = time.monotonic()
+        self.first_at = self.first_at or now
+        self.last_at = now
+        self.completion_tokens += tokens
+
+    def aborted(self) -> Finished:
+        first = self.first_at or time.monotonic()
+        return Finished(
+            reason=FinishReason.ABORTED, prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens, completion_tokens=self.completion_tokens,
+            queue_seconds=0.0, ttft_seconds=max(0.0, first - self.submitted_at)
+            if self.first_at else 0.0,
+            decode_seconds=max(0.0, (self.last_at or first) - first))
+
+
+def _digest(request: GenerationRequest) -> str:
+    return request_digest(request.model_id, request.prompt_tokens, request.max_tokens)
+
+
+def tokenize(tokenizer, spec: GenerateSpec, violations: Violations | None = None
+             ) -> list[int]:
+    """The prompt's tokens. A bad prompt's violations go into `violations` when given
+    (and [] comes back), else they are raised."""
+    v = Violations() if violations is None else violations
+    before = len(v)
+    tokens = _tokenize(tokenizer, spec, v)
+    if violations is None:
+        v.raise_if_any()
+    return tokens if len(v) == before else []
+
+
+def _tokenize(tokenizer, spec: GenerateSpec, v: Violations) -> list[int]:
     given = [x is not None for x in (spec.text, spec.token_ids, spec.chat)]
     if sum(given) != 1:
-        raise InvalidArgument("prompt: set exactly one of text, token_ids or chat", "prompt")
+        v.invalid("prompt", "prompt must be exactly one of text, token_ids or chat")
+        return []
     if spec.text is not None:
         if not spec.text:
-            raise InvalidArgument("prompt.text is empty", "text")
+            v.invalid("text", "text is empty")
+            return []
         return list(tokenizer.encode(spec.text))
     if spec.token_ids is not None:
         if not spec.token_ids:
-            raise InvalidArgument("prompt.token_ids.ids is empty", "token_ids.ids")
+            v.invalid("token_ids.ids", "token_ids.ids is empty")
+            return []
         return list(spec.token_ids)
-    if not spec.chat:
-        raise InvalidArgument("prompt.chat.messages is empty", "chat.messages")
-    for i, m in enumerate(spec.chat):
-        if m.role not in ("system", "user", "assistant", "tool"):
-            raise InvalidArgument(
-                f"chat.messages[{i}].role must be system, user, assistant or tool, "
-                f"got '{m.role}'",
-                f"chat.messages[{i}].role",
-            )
+    before = len(v)
+    validate_chat(spec.chat or [], v)
     if not tokenizer.has_chat_template:
-        raise InvalidArgument("this model's tokenizer has no chat template; send text",
-                              "chat")
+        v.invalid("chat", "chat needs a chat template, which this model's tokenizer does "
+                  "not have; send text")
+    if len(v) > before:
+        return []
     messages = [{"role": m.role, "content": m.content} for m in spec.chat]
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))

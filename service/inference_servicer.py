@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from engine.errors import OutOfRange, PlimsollError
+from engine.errors import OutOfRange
 from engine.request import Chunk, Finished
 from plimsoll.v1 import inference_pb2_grpc
 from service import convert, status
@@ -26,7 +26,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     yield convert.start_to_wire(event)
                 elif isinstance(event, Finished):
                     yield convert.end_to_wire(event)
-        except PlimsollError as err:
+        except Exception as err:
             await status.abort(context, err)
 
     def _check_size(self, request) -> None:

@@ -4,14 +4,17 @@ Runs on the event loop, beside the enforcer task. Publishing never waits on a
 subscriber: each has a bounded queue. Samples coalesce (a newer sample replaces
 a queued one); transitions and actions are never dropped silently — a subscriber
 whose queue is full of them is ended with RESOURCE_EXHAUSTED and re-subscribes
-for a fresh snapshot. Sequence numbers count the messages sent to one
-subscriber, so any gap a client sees is a loss.
+for a fresh snapshot. Sequence numbers are per process: every published event
+takes the next one, whoever subscribes. The last transitions and actions are
+retained, so a client that re-subscribes with the last number it saw gets what
+it missed replayed before its snapshot.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from google.protobuf import timestamp_pb2
@@ -22,10 +25,11 @@ from memory.governor import TickSample
 from memory.levels import PressureLevel
 from memory.readings import MemoryReadings
 from memory.recording import event_kind
-from plimsoll.v1 import control_pb2
+from plimsoll.v1 import control_pb2, types_pb2
 from service import convert
 
 DEFAULT_CAPACITY = 1024
+RETAINED_EVENTS = 512  # transitions and actions kept for a re-subscriber's replay
 
 
 @dataclass(eq=False)  # identity-hashed: subscribers live in a set
@@ -37,35 +41,27 @@ class Subscriber:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     overflowed: bool = False
     closed: bool = False
-    _sequence: int = 0
 
-    def _next_sequence(self) -> int:
-        self._sequence += 1
-        return self._sequence
+    def wants(self, kind: str) -> bool:
+        return ((kind != "sample" or self.include_samples)
+                and (kind != "action" or self.include_actions))
 
-    def offer(self, kind: str, payload, when: timestamp_pb2.Timestamp) -> None:
+    def offer(self, msg: control_pb2.WatchPressureResponse) -> None:
         if self.overflowed or self.closed:
             return
-        if kind == "sample":
-            if not self.include_samples:
-                return
-            if self.queue and self.queue[-1].WhichOneof("event") == "sample":
-                # Coalesce: a newer sample replaces the unsent one, keeping its number.
-                # Only the newest item: a sample never jumps ahead of a transition.
-                self.queue[-1] = _response(self.queue[-1].sequence, kind, payload, when)
-                return
-        elif kind == "action" and not self.include_actions:
+        kind = msg.WhichOneof("event")
+        if not self.wants(kind):
+            return
+        if kind == "sample" and self.queue and self.queue[-1].WhichOneof("event") == "sample":
+            # Coalesce: a newer sample replaces the unsent one. Only the newest item:
+            # a sample never jumps ahead of a transition.
+            self.queue[-1] = msg
             return
         if len(self.queue) >= self.capacity:
             self.overflowed = True
             self.wakeup.set()
             return
-        self.queue.append(_response(self._next_sequence(), kind, payload, when))
-        self.wakeup.set()
-
-    def first(self, snapshot: control_pb2.PressureSnapshot,
-              when: timestamp_pb2.Timestamp) -> None:
-        self.queue.appendleft(_response(self._next_sequence(), "snapshot", snapshot, when))
+        self.queue.append(msg)
         self.wakeup.set()
 
     def pop(self) -> control_pb2.WatchPressureResponse:
@@ -81,8 +77,9 @@ class Subscriber:
         return self.pop()
 
 
-def _response(seq: int, kind: str, payload, when) -> control_pb2.WatchPressureResponse:
-    msg = control_pb2.WatchPressureResponse(sequence=seq, time=when)
+def _response(seq: int, kind: str, payload, when: timestamp_pb2.Timestamp,
+              replayed: bool = False) -> control_pb2.WatchPressureResponse:
+    msg = control_pb2.WatchPressureResponse(sequence=seq, event_time=when, replayed=replayed)
     getattr(msg, kind).CopyFrom(payload)
     return msg
 
@@ -94,18 +91,36 @@ def now_timestamp() -> timestamp_pb2.Timestamp:
 
 
 class PressureBroker:
-    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(self, capacity: int = DEFAULT_CAPACITY,
+                 retained: int = RETAINED_EVENTS) -> None:
         self.capacity = capacity
         self._subscribers: set[Subscriber] = set()
+        self._sequence = 0
+        self._retained: deque[control_pb2.WatchPressureResponse] = deque(maxlen=retained)
+        self._forgotten_through = 0  # the last retained-kind event that fell out
 
     @property
     def subscriber_count(self) -> int:
         return len(self._subscribers)
 
+    @property
+    def sequence(self) -> int:
+        """The number of the last event published."""
+        return self._sequence
+
     def subscribe(self, snapshot: control_pb2.PressureSnapshot, include_samples: bool,
-                  include_actions: bool) -> Subscriber:
+                  include_actions: bool, resume_after: int = 0) -> Subscriber:
         sub = Subscriber(include_samples, include_actions, self.capacity)
-        sub.first(snapshot, now_timestamp())
+        if resume_after:
+            for msg in self._retained:
+                if msg.sequence > resume_after and sub.wants(msg.WhichOneof("event")):
+                    replay = control_pb2.WatchPressureResponse()
+                    replay.CopyFrom(msg)
+                    replay.replayed = True
+                    sub.queue.append(replay)
+            snapshot.replay_incomplete = resume_after < self._forgotten_through
+        sub.queue.append(_response(self._sequence, "snapshot", snapshot, now_timestamp()))
+        sub.wakeup.set()
         self._subscribers.add(sub)
         return sub
 
@@ -121,9 +136,14 @@ class PressureBroker:
 
     def publish(self, kind: str, payload) -> None:
         """kind: "transition", "sample" or "action"; payload: the matching message."""
-        when = now_timestamp()
+        self._sequence += 1
+        msg = _response(self._sequence, kind, payload, now_timestamp())
+        if kind != "sample":
+            if len(self._retained) == self._retained.maxlen:
+                self._forgotten_through = self._retained[0].sequence
+            self._retained.append(msg)
         for sub in self._subscribers:
-            sub.offer(kind, payload, when)
+            sub.offer(msg)
 
 
 # -- the governor's sink ---------------------------------------------------------------
@@ -140,6 +160,9 @@ class PressurePublisher:
 
     def __init__(self, broker: PressureBroker) -> None:
         self.broker = broker
+        # Set by the server once the service is built: admission figures for
+        # snapshots and samples.
+        self.admission_state: Callable[[], types_pb2.AdmissionState] = types_pb2.AdmissionState
         self._caps: dict[tuple[str, str], int] = {}
         self._level = PressureLevel.OK
         self._readings: MemoryReadings | None = None
@@ -157,13 +180,15 @@ class PressurePublisher:
             level=int(self._level),
             readings=convert.readings_to_wire(self._readings),
             limits=convert.limits_to_wire(self._limits),
+            admission=self.admission_state(),
         )
 
-    def subscribe(self, include_samples: bool, include_actions: bool) -> Subscriber | None:
+    def subscribe(self, include_samples: bool, include_actions: bool,
+                  resume_after: int = 0) -> Subscriber | None:
         snapshot = self.snapshot()
         if snapshot is None:
             return None
-        return self.broker.subscribe(snapshot, include_samples, include_actions)
+        return self.broker.subscribe(snapshot, include_samples, include_actions, resume_after)
 
     def on_transition(self, transition: Transition, readings: MemoryReadings,
                       limits: Limits) -> None:
@@ -175,7 +200,7 @@ class PressurePublisher:
         self._level = sample.level
         self._readings, self._limits = sample.readings, sample.limits
         if self.broker.subscriber_count:
-            self.broker.publish("sample", convert.sample_to_wire(sample))
+            self.broker.publish("sample", convert.sample_to_wire(sample, self.admission_state()))
 
     def on_action(self, action: Action, outcome: Outcome) -> None:
         kind = event_kind(action)
@@ -188,14 +213,12 @@ class PressurePublisher:
             if outcome.value is None or self._caps.get(key) == outcome.value:
                 return
             self._caps[key] = outcome.value
-        if not self.broker.subscriber_count:
-            return
         reason = reason_of(action) or ""
         if kind in _CAPS:
             reason = f"cap {outcome.value}"
         msg = control_pb2.EnforcerAction(
-            kind=kind,
-            model=model,
+            kind=convert.ACTION_KINDS[kind],
+            model_id=model,
             request_ids=list(outcome.request_ids),
             bytes_freed=max(0, int(outcome.bytes_freed or 0)),
             entries_evicted=int(outcome.entries or 0),

@@ -5,20 +5,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
-from google.protobuf import descriptor_pool
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha._async import ReflectionServicer
 from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 
 from engine import allocator
 from engine.demo_models import ensure_demo_model
-from engine.model_engine import EngineSettings
-from engine.pool import ModelPool
+from engine.errors import DRAINING, PlimsollError, Unavailable
+from engine.model_engine import EngineSettings, wait_threads_gone
+from engine.pool import ModelPool, ModelState
 from memory.config import MemoryConfig
 from memory.protocols import ReadingsSource
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
@@ -33,7 +38,22 @@ log = logging.getLogger(__name__)
 
 INFERENCE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 CONTROL = control_pb2.DESCRIPTOR.services_by_name["ControlService"].full_name
+HEALTH = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+REFLECTION_V1ALPHA = reflection.SERVICE_NAME
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 MiB = 1024 * 1024
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+# Drain: how often to look at the streams still running, how long streams cut at the
+# end of the grace get to send their status, and the gRPC stop's own grace after that.
+DRAIN_POLL_S = 0.05
+CUT_WAIT_S = 5.0
+CUT_REPEAT_S = 0.5
+STOP_GRACE_S = 1.0
+THREAD_EXIT_TIMEOUT_S = 30.0
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -76,6 +96,101 @@ class _MethodAwarePool:
             return svc.file
 
 
+class Health(HealthServicer):
+    """grpc.health.v1.Health with List, which the package's aio servicer lacks."""
+
+    async def List(self, request, context) -> health_pb2.HealthListResponse:  # noqa: N802
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status)
+            for name, status in self._server_status.items()
+        })
+
+
+def _reflection_v1_file() -> None:
+    """Puts grpc/reflection/v1/reflection.proto in the default pool, so the v1 service
+    can be described. grpcio-reflection ships only v1alpha; v1 has the same messages
+    under another package, so the file is v1alpha's, renamed."""
+    pool = descriptor_pool.Default()
+    name = "grpc/reflection/v1/reflection.proto"
+    try:
+        pool.FindFileByName(name)
+        return
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
+    old, new = proto.package, REFLECTION_V1.rpartition(".")[0]
+    proto.name, proto.package = name, new
+    proto.ClearField("options")
+    for message in proto.message_type:
+        for f in message.field:
+            if f.HasField("type_name"):
+                f.type_name = f.type_name.replace(f".{old}.", f".{new}.")
+    for service in proto.service:
+        for method in service.method:
+            method.input_type = method.input_type.replace(f".{old}.", f".{new}.")
+            method.output_type = method.output_type.replace(f".{old}.", f".{new}.")
+    pool.AddSerializedFile(proto.SerializeToString())
+
+
+def add_reflection(server: grpc.aio.Server, services: tuple[str, ...]) -> None:
+    """Server reflection v1 and v1alpha, one servicer behind both: the two protocols
+    are the same messages on the wire, so v1 reuses the v1alpha codecs."""
+    _reflection_v1_file()
+    servicer = ReflectionServicer((*services, REFLECTION_V1, REFLECTION_V1ALPHA),
+                                  pool=_MethodAwarePool())
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(tuple(
+        grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": handler})
+        for name in (REFLECTION_V1, REFLECTION_V1ALPHA)
+    ))
+
+
+async def run_in_own_thread(fn: Callable[..., _T], *args) -> _T:
+    """`fn(*args)` on a thread of its own, awaited until the thread is gone: MLX work
+    (making a demo model) then leaves no worker behind with MLX thread-local state
+    for the interpreter's exit to trip over (see engine.model_engine.thread_gone)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: _T | None, exc: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if exc is not None:
+            done.set_exception(exc)
+        else:
+            done.set_result(result)
+
+    def work() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    thread = threading.Thread(target=work, name=getattr(fn, "__name__", "worker"),
+                              daemon=True)
+    thread.start()
+    try:
+        return await done
+    finally:
+        await wait_threads_gone([thread], THREAD_EXIT_TIMEOUT_S)
+
+
+def drain_cut_error(grace_s: float) -> Unavailable:
+    return Unavailable(
+        f"server is shutting down (drain grace of {grace_s:g}s ended); "
+        "retry on another replica",
+        reason=DRAINING,
+        retry_after_s=1.0,
+    )
+
+
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -96,13 +211,14 @@ class PlimsollServer:
         self.config = config
         self._reader = reader
         self.port = 0
-        self.health = HealthServicer()
+        self.health = Health()
         self._server: grpc.aio.Server | None = None
         self.service: Service | None = None
         self.broker = PressureBroker()
         self.publisher = PressurePublisher(self.broker)
         self._enforcer_task: asyncio.Task | None = None
         self._stopped = asyncio.Event()
+        self._cut_now = asyncio.Event()
 
     async def start(self) -> int:
         setup(self.config.telemetry)
@@ -128,15 +244,11 @@ class PlimsollServer:
             ControlServicer(svc, self.publisher), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (INFERENCE, CONTROL, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME),
-            server,
-            pool=_MethodAwarePool(),
-        )
+        add_reflection(server, (INFERENCE, CONTROL, HEALTH))
+        # Inference waits for its default model; control answers from the start.
         for name in ("", INFERENCE):
-            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.health.set(CONTROL, health_pb2.HealthCheckResponse.SERVING)
+            await self.health.set(name, NOT_SERVING)
+        await self.health.set(CONTROL, SERVING)
         self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
@@ -150,7 +262,7 @@ class PlimsollServer:
     async def load_initial_models(self) -> None:
         sources = list(self.config.models)
         if not sources:
-            path = await asyncio.to_thread(
+            path = await run_in_own_thread(
                 ensure_demo_model, self.config.demo_size, self.config.cache_dir
             )
             await self.service.pool.load(str(path), f"demo-{self.config.demo_size}", default=True)
@@ -161,45 +273,103 @@ class PlimsollServer:
     def _on_pool_change(self) -> None:
         if self.service is None or self.service.draining:
             return
-        state = (
-            health_pb2.HealthCheckResponse.SERVING
-            if self.service.pool.any_ready()
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+        # Inference serves once its default model does: a request naming no model
+        # would be refused until then.
+        state = SERVING if _default_ready(self.service.pool) else NOT_SERVING
         for name in ("", INFERENCE):
             asyncio.ensure_future(self.health.set(name, state))
 
     async def drain(self) -> None:
-        """Stop taking work, let in-flight streams finish (up to the grace), then exit."""
+        """Health goes NOT_SERVING with the listener still open; new Generates are
+        refused (UNAVAILABLE, RetryInfo); in-flight streams run until they end or the
+        grace does, then are cut with a typed UNAVAILABLE; only then the gRPC server
+        stops and every engine thread is joined."""
         svc = self.service
-        if svc is None or svc.draining:
+        if svc is None:
             return
-        log.info("draining: %d request(s) in flight", svc.pipeline.in_flight)
+        if svc.draining:
+            self._cut_now.set()  # a second signal: end the grace now
+            return
+        grace = self.config.drain_grace_s
+        began = asyncio.get_running_loop().time()
+        log.info("draining: %d request(s) in flight, grace %gs", svc.pipeline.in_flight,
+                 grace)
         svc.lifecycle.draining = True
-        await self.health.enter_graceful_shutdown()
-        self.broker.close_all()  # watch streams end; in-flight Generates finish
+        await self.health.enter_graceful_shutdown()  # every service NOT_SERVING
+        self.broker.close_all()  # watch streams end; in-flight Generates go on
+        if not await self._streams_ended(grace, hurry=True):
+            await self._cut_streams(drain_cut_error(grace))
         if self._server is not None:
-            await self._server.stop(self.config.drain_grace_s)
+            await self._server.stop(STOP_GRACE_S)
         svc.governor.stop()
         if self._enforcer_task is not None:
             self._enforcer_task.cancel()
+            await asyncio.gather(self._enforcer_task, return_exceptions=True)
         await svc.pool.close()
+        log.info("drained in %.1fs", asyncio.get_running_loop().time() - began)
         self._stopped.set()
+
+    async def _streams_ended(self, timeout_s: float, hurry: bool = False) -> bool:
+        """Waits up to `timeout_s` for the Generate streams in flight to end; with
+        `hurry`, a second signal ends the wait too."""
+        pipeline = self.service.pipeline
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while pipeline.in_flight > 0:
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            if hurry and self._cut_now.is_set():
+                return False
+            await asyncio.sleep(DRAIN_POLL_S)
+        return True
+
+    async def _cut_streams(self, error: PlimsollError) -> None:
+        """Ends every running request in the engines with `error`, through each
+        stream's own end (a final status, not a torn-down call). Repeated for a little
+        while: a request past admission may reach its engine after the first cut."""
+        pipeline = self.service.pipeline
+        log.info("drain grace ended: cutting %d stream(s)", pipeline.in_flight)
+        self.service.queue.close()  # those still waiting for admission end typed too
+        deadline = asyncio.get_running_loop().time() + CUT_WAIT_S
+        while pipeline.in_flight > 0 and asyncio.get_running_loop().time() < deadline:
+            for entry in self.service.pool.entries():
+                if entry.engine is not None:
+                    entry.engine.abort(error)
+            await self._streams_ended(CUT_REPEAT_S)
+        if pipeline.in_flight:
+            log.warning("%d stream(s) still open after the cut; the gRPC stop ends them",
+                        pipeline.in_flight)
 
     async def wait(self) -> None:
         await self._stopped.wait()
 
 
+def _default_ready(pool: ModelPool) -> bool:
+    try:
+        entry = pool.get("")
+    except PlimsollError:
+        return False
+    return entry.state == ModelState.READY and entry.engine is not None
+
+
 async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> None:
-    """Runs until SIGTERM or SIGINT, then drains."""
+    """Runs until SIGTERM or SIGINT, then drains; returns once every engine thread
+    is gone, so the interpreter exits with no MLX work running."""
     server = PlimsollServer(config)
     loop = asyncio.get_running_loop()
+    draining: list[asyncio.Future] = []  # kept so the task is not collected
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: asyncio.ensure_future(server.drain()))
+        loop.add_signal_handler(sig, lambda: draining.append(asyncio.ensure_future(
+            server.drain())))
     await server.start()
-    await server.load_initial_models()
-    settle_heap()
-    log.info("ready: %s", ", ".join(e.model_id for e in server.service.pool.entries()))
+    try:
+        await server.load_initial_models()
+    except PlimsollError:
+        if not server.service.draining:
+            raise
+        # A signal arrived while loading: the drain has closed the pool.
+    if not server.service.draining:
+        settle_heap()
+        log.info("ready: %s", ", ".join(e.model_id for e in server.service.pool.entries()))
     if ready is not None:
         ready.set()
     await server.wait()

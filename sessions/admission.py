@@ -2,8 +2,8 @@
 
 The gate itself (`memory.plans.admission.gate`) is shared with the admission
 plan, so Admit's WAIT and Generate's queue agree. The governor pauses the gate
-at soft and above (the first request when nothing is admitted still passes)
-and resumes it at ok; the memory cascade runs once a slot is held.
+at soft and above and resumes it at ok; the memory cascade runs once a slot is
+held.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class QueueOutcome(StrEnum):
     ADMITTED = "admitted"
     TIMEOUT = "timeout"
     QUEUE_FULL = "queue_full"
+    CLOSED = "closed"  # the server is shutting down: nothing more is admitted
 
 
 @dataclass
@@ -82,6 +83,7 @@ class AdmissionQueue:
         self._level = level
         self._in_flight = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._closed = False
 
     @property
     def in_flight(self) -> int:
@@ -110,8 +112,17 @@ class AdmissionQueue:
         self._level = PressureLevel.OK if level is None else level
         self._pump()
 
+    def close(self) -> None:
+        """Admit nothing more; every waiter leaves with CLOSED (a drain's cut)."""
+        self._closed = True
+        for fut in self._waiters:
+            if not fut.done():
+                fut.cancel()
+
     async def acquire(self, timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S) -> QueueResult:
         loop = asyncio.get_running_loop()
+        if self._closed:
+            return QueueResult(QueueOutcome.CLOSED)
         blocked = self.blocked_by()
         if blocked is None and not self._waiters:
             self._in_flight += 1
@@ -131,6 +142,8 @@ class AdmissionQueue:
         if fut.done() and not fut.cancelled():
             return QueueResult(QueueOutcome.ADMITTED, AdmissionSlot(self), waited_s=waited)
         self._abandon(fut)
+        if self._closed:
+            return QueueResult(QueueOutcome.CLOSED, waited_s=waited)
         return QueueResult(QueueOutcome.TIMEOUT, waited_s=waited,
                            binding=self.blocked_by() or blocked, retry_after_s=RETRY_AFTER_WAIT_S)
 

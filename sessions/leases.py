@@ -20,6 +20,7 @@ class Lease:
     owner: str
     model_id: str = ""  # exactly one of model_id and session_id is set
     session_id: str = ""
+    client_request_id: str = ""  # a retry with it gets this lease back
 
 
 @dataclass(frozen=True)
@@ -43,12 +44,27 @@ class Leases:
         self._map: TtlMap[Lease] = TtlMap(clock)
         self._new_id = id_factory
 
-    def pin_model(self, model_id: str, owner: str = "", ttl_s: float | None = None) -> HeldLease:
-        return self._put(Lease(self._new_id(), owner, model_id=model_id), ttl_s)
+    def pin_model(self, model_id: str, owner: str = "", ttl_s: float | None = None,
+                  client_request_id: str = "") -> HeldLease:
+        return self._put(Lease(self._new_id(), owner, model_id=model_id,
+                               client_request_id=client_request_id), ttl_s)
 
-    def pin_session(self, session_id: str, owner: str = "",
-                    ttl_s: float | None = None) -> HeldLease:
-        return self._put(Lease(self._new_id(), owner, session_id=session_id), ttl_s)
+    def pin_session(self, session_id: str, owner: str = "", ttl_s: float | None = None,
+                    client_request_id: str = "") -> HeldLease:
+        return self._put(Lease(self._new_id(), owner, session_id=session_id,
+                               client_request_id=client_request_id), ttl_s)
+
+    def retried(self, client_request_id: str, *, model_id: str = "",
+                session_id: str = "") -> HeldLease | None:
+        """The live lease an earlier Pin with this id took on the same target, if any."""
+        if not client_request_id:
+            return None
+        for h in self._map.live():
+            v = h.value
+            if (v.client_request_id == client_request_id and v.model_id == model_id
+                    and v.session_id == session_id):
+                return _held(h)
+        return None
 
     def _put(self, lease: Lease, ttl_s: float | None) -> HeldLease:
         return _held(self._map.put(lease.lease_id, lease, ttl_s))

@@ -110,6 +110,7 @@ from plimsoll.v1 import (  # noqa: E402
     inference_pb2_grpc,
     types_pb2,
 )
+from service.convert import label as wire_label  # noqa: E402
 from sessions.bank import SessionBank, SessionEntry  # noqa: E402
 
 # The benchmark runs from a checkout, so it takes the test doubles from tests/.
@@ -466,7 +467,7 @@ async def busy_loop(stub: inference_pb2_grpc.InferenceServiceStub, model: str,
     """Keep one Generate stream running on `model`, so the governor polls at 1 s."""
     # Long requests: each new Generate notes activity (and wakes a governor asleep for its
     # long idle interval), which would tick out of cadence.
-    req = inference_pb2.GenerateRequest(model=model, text="busy " * 16, max_tokens=3500,
+    req = inference_pb2.GenerateRequest(model_id=model, text="busy " * 16, max_tokens=3500,
                                         ignore_eos=True)
     while not stop.is_set():
         try:
@@ -489,11 +490,11 @@ async def reaction(args, cgroup: ChildCgroup, server: ServerProcess,
         control = control_pb2_grpc.ControlServiceStub(ch)
         infer = inference_pb2_grpc.InferenceServiceStub(ch)
         models = (await control.ListModels(control_pb2.ListModelsRequest())).models
-        busy_id = next(m.id for m in models if m.is_default)
-        victim_id = next(m.id for m in models if not m.is_default)
+        busy_id = next(m.model_id for m in models if m.is_default)
+        victim_id = next(m.model_id for m in models if not m.is_default)
         # The busy model is pinned: when an eviction does not bring usage down the
         # enforcer escalates, and must not unload the model the rounds depend on.
-        await control.Pin(control_pb2.PinRequest(model=busy_id, owner="bench_enforcer"))
+        await control.Pin(control_pb2.PinRequest(model_id=busy_id, owner="bench_enforcer"))
         watch = Watch(control)
         stop = asyncio.Event()
         errors: list[str] = []
@@ -504,7 +505,7 @@ async def reaction(args, cgroup: ChildCgroup, server: ServerProcess,
             attempts = 0
             while len(rounds) < args.rounds and attempts < 3 * (args.rounds + 1):
                 attempts += 1
-                state = {m.id: m.state for m in
+                state = {m.model_id: m.state for m in
                          (await control.ListModels(control_pb2.ListModelsRequest())).models}
                 if state[victim_id] != control_pb2.MODEL_STATE_READY:
                     await control.LoadModel(control_pb2.LoadModelRequest(
@@ -535,7 +536,7 @@ async def reaction(args, cgroup: ChildCgroup, server: ServerProcess,
 
                 def is_evict(m) -> bool:
                     return (m.WhichOneof("event") == "action"
-                            and m.action.kind == "evict_model" and m.action.model == victim_id)
+                            and m.action.kind == control_pb2.ENFORCER_ACTION_KIND_EVICT_MODEL and m.action.model_id == victim_id)
 
                 def is_sample(m) -> bool:
                     return m.WhichOneof("event") == "sample"
@@ -565,14 +566,14 @@ async def reaction(args, cgroup: ChildCgroup, server: ServerProcess,
                 cgroup.set_limit(None)
                 if hard is not None:
                     t = hard[1].transition
-                    rnd.detect_s = ts(hard[1].time) - t_step
+                    rnd.detect_s = ts(hard[1].event_time) - t_step
                     rnd.seen_usage = t.readings.process_bytes
                     rnd.ceiling, rnd.hard = t.limits.ceiling_bytes, t.limits.hard_bytes
                     rnd.tick_level = level_name(t.to_level)
                 else:
                     rnd.notes.append("no transition to hard")
                 if evict is not None:
-                    rnd.react_s = ts(evict[1].time) - t_step
+                    rnd.react_s = ts(evict[1].event_time) - t_step
                     rnd.receipt_s = evict[0] - t_step
                     rnd.freed = evict[1].action.bytes_freed
                     if evict[1].action.reason.startswith("make_room"):
@@ -591,14 +592,14 @@ async def reaction(args, cgroup: ChildCgroup, server: ServerProcess,
                                     f"{level_name(m.transition.to_level)} "
                                     f"({m.transition.reason})")
                         elif kind == "action":
-                            what = f"{m.action.kind} {m.action.model} {m.action.reason}"
+                            what = f"{wire_label(control_pb2.EnforcerActionKind, m.action.kind)} {m.action.model_id} {m.action.reason}"
                         else:
                             what = (f"level {level_name(m.sample.level)} usage "
                                     f"{m.sample.readings.process_bytes / MIB:.0f} MiB")
-                        log(f"    {(ts(m.time) - t_step) * 1e3:+8.0f} ms {kind}: {what}")
+                        log(f"    {(ts(m.event_time) - t_step) * 1e3:+8.0f} ms {kind}: {what}")
                 rnd.aborts = sum(1 for _, m in watch.messages[mark:end]
                                  if m.WhichOneof("event") == "action"
-                                 and m.action.kind == "abort_requests")
+                                 and m.action.kind == control_pb2.ENFORCER_ACTION_KIND_ABORT_REQUESTS)
                 i += 1
                 if i == 1:
                     log(f"  warm-up round: reaction {rnd.react_s * 1e3:.0f} ms")

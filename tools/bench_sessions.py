@@ -82,7 +82,7 @@ async def generate(stub, ids: list[int], session: str, max_tokens: int) -> Turn:
         elif kind == "start":
             cached, prompt = msg.start.cached_tokens, msg.start.prompt_tokens
         elif kind == "end":
-            server_ttft = msg.end.timings.time_to_first_token_seconds
+            server_ttft = msg.end.timings.time_to_first_token.ToNanoseconds() / 1e9
     done = time.perf_counter()
     if len(out) != max_tokens:
         raise RuntimeError(f"{len(out)} tokens generated, expected {max_tokens}")

@@ -107,7 +107,7 @@ class Subscribers:
                 now = time.time()
                 kind = msg.WhichOneof("event")
                 if kind == "transition":
-                    mine.append((now, ts(msg.time), msg.transition.to_level))
+                    mine.append((now, ts(msg.event_time), msg.transition.to_level))
                     self._transitions += 1
                     if self._transitions >= self._want:
                         self._changed.set()

@@ -11,8 +11,9 @@ governor's other reliefs), each step only while the projection is still over
 its line, re-measuring after every step that freed anything:
 
 0. the gate: hyper mode admits exactly one request; admission pauses at soft
-   and above unless nothing is admitted (the first request passes); the queue
-   is bounded. (Generate passes the queue first and skips the gate here.)
+   and above (new requests wait in the bounded queue; a full queue is a WAIT
+   too: Generate is refused at once and retries). (Generate passes the queue
+   first and skips the gate here.)
 1. reclaim the MLX pool (non-destructive, always first);
 2. the memory-pressure guard: a bank over its budget (its dynamic ceiling) is
    brought back with `shrink_to_bytes(protect_active=True)`;
@@ -24,9 +25,11 @@ its line, re-measuring after every step that freed anything:
    the larger target of its own budget (the ceiling, the per-request line), now
    allowed to take idle entries of active sessions last;
 5. idle non-pinned models in the eviction ladder's order (never the request's);
-then still over the ceiling -> a typed refusal naming the binding constraint,
-what was tried and the numbers. Between the sustained limit and the ceiling
-the request is admitted. A request that could not fit even after every relief
+then still over the admission limit (the smaller of the ceiling and the
+prefill abort line) -> a typed refusal naming the binding constraint, what was
+tried and the numbers; when the room is taken by other clients' reservations
+the refusal says so. Between the shed line and the admission limit the request
+is admitted. A request that could not fit even after every relief
 sheds nothing (reusable state is kept for requests that can fit).
 """
 
@@ -68,26 +71,31 @@ RETRY_AFTER_WAIT_S = 1.0  # paused / capped / queue full: about one enforcer tic
 RETRY_AFTER_MEMORY_S = 2.0  # over the ceiling: give running requests time to finish
 
 # Binding constraints (AdmitResponse.binding_constraint).
-BINDING_CEILING = "ceiling"
+BINDING_CEILING = "admission_limit"
+BINDING_RESERVATIONS = "reservations"  # others' reservations take the room
 BINDING_PREFILL_EXCEEDS_CEILING = "prefill_exceeds_ceiling"
 BINDING_PAUSED_AT_SOFT = "paused_at_soft"
 BINDING_PAUSED_AT_HARD = "paused_at_hard"
 BINDING_PAUSED_AT_EMERGENCY = "paused_at_emergency"
 BINDING_QUEUE_FULL = "queue_full"
+BINDING_IN_FLIGHT_LIMIT = "in_flight_limit"
 BINDING_HYPER_CAP = "hyper_cap"
 BINDING_ADMISSION_CAP = "admission_cap"
-BINDING_THRESHOLD = "threshold"  # admitted, but only after shedding
+BINDING_THRESHOLD = "shed_line"  # admitted, but only after shedding
 
-# google.rpc.ErrorInfo reasons for refusals.
+# The google.rpc.ErrorInfo reason Generate ends with when it does not start: a
+# refusal's, or (for a gate that makes it wait) the queue timeout's.
 ERROR_REASONS: Mapping[str, str] = {
     BINDING_CEILING: "MEMORY_PRESSURE",
+    BINDING_RESERVATIONS: "RESERVATIONS_HELD",
     BINDING_PREFILL_EXCEEDS_CEILING: "PREFILL_EXCEEDS_CEILING",
     BINDING_QUEUE_FULL: "QUEUE_FULL",
-    BINDING_PAUSED_AT_SOFT: "MEMORY_PRESSURE",
-    BINDING_PAUSED_AT_HARD: "MEMORY_PRESSURE",
-    BINDING_PAUSED_AT_EMERGENCY: "MEMORY_PRESSURE",
-    BINDING_HYPER_CAP: "QUEUE_FULL",
-    BINDING_ADMISSION_CAP: "QUEUE_FULL",
+    BINDING_IN_FLIGHT_LIMIT: "IN_FLIGHT_LIMIT",
+    BINDING_PAUSED_AT_SOFT: "ADMISSION_TIMEOUT",
+    BINDING_PAUSED_AT_HARD: "ADMISSION_TIMEOUT",
+    BINDING_PAUSED_AT_EMERGENCY: "ADMISSION_TIMEOUT",
+    BINDING_HYPER_CAP: "ADMISSION_TIMEOUT",
+    BINDING_ADMISSION_CAP: "ADMISSION_TIMEOUT",
 }
 
 
@@ -138,6 +146,8 @@ class AdmissionInputs:
 
     `pool_bytes` is the part of `usage_bytes` reclaiming the MLX buffer pool
     would free. `reserved_bytes` are other requests' outstanding Admit tickets.
+    `ceiling_bytes` is the admission limit and `threshold_bytes` the shed line
+    (`admission_lines`), not the raw ceiling and hard mark.
     `restore_bytes` is what restoring the cached prefix allocates. `floor_bytes`,
     when known, is usage nothing can shed (model weights): a request whose own
     bytes do not fit above it is refused as `prefill_exceeds_ceiling`.
@@ -162,6 +172,7 @@ class AdmissionInputs:
     admission_cap: int | None = None
     floor_bytes: int | None = None
     bank: BankFigures = field(default_factory=BankFigures)
+    gated: bool = True  # False: the request passed the queue's gate already
 
 
 @dataclass(frozen=True)
@@ -170,7 +181,7 @@ class Decision:
     inputs: AdmissionInputs
     projected_bytes: int
     request_bytes: int  # projected - usage: what admitting adds (others' reservations included)
-    headroom_bytes: int  # ceiling - usage
+    headroom_bytes: int  # the admission limit (inputs.ceiling_bytes) - usage
     needs_relief: bool = False  # over the sustained limit: the cascade must run
     binding: str | None = None
     retry_after_s: float | None = None
@@ -219,13 +230,12 @@ def gate(
     blocked: str | None = None
     if cap is not None and admitted_in_flight >= cap:
         blocked = BINDING_HYPER_CAP if mode is SchedulerMode.HYPER else BINDING_ADMISSION_CAP
-    elif level >= PressureLevel.SOFT and admitted_in_flight > 0:
-        # Paused under pressure, but the first request when nothing is admitted passes.
+    elif level >= PressureLevel.SOFT:
         blocked = f"paused_at_{PressureLevel(level).label}"
     if blocked is None:
         return None
     if queue_depth >= queue_limit:
-        return Verdict.REJECT, BINDING_QUEUE_FULL
+        return Verdict.WAIT, BINDING_QUEUE_FULL  # refused at once; retrying may succeed
     return Verdict.WAIT, blocked
 
 
@@ -236,8 +246,8 @@ def decide(inputs: AdmissionInputs) -> Decision:
     numbers = {
         "usage_bytes": inputs.usage_bytes,
         "projected_bytes": projected,
-        "threshold_bytes": inputs.threshold_bytes,
-        "ceiling_bytes": inputs.ceiling_bytes,
+        "shed_line_bytes": inputs.threshold_bytes,
+        "admission_limit_bytes": inputs.ceiling_bytes,
         "pool_bytes": inputs.pool_bytes,
         "reserved_bytes": inputs.reserved_bytes,
         "miss_tokens": miss_tokens(inputs),
@@ -255,13 +265,14 @@ def decide(inputs: AdmissionInputs) -> Decision:
             retry_after_s=RETRY_AFTER_MEMORY_S,
             numbers={**numbers, "floor_bytes": inputs.floor_bytes, "request_bytes": own},
             reason=(f"prefill needs {_gib(own)} above the {_gib(inputs.floor_bytes)} floor, "
-                    f"over the {_gib(inputs.ceiling_bytes)} ceiling even with nothing else running"),
+                    f"over the {_gib(inputs.ceiling_bytes)} admission limit even with nothing "
+                    "else running"),
         )
     gated = gate(
         inputs.level, inputs.admitted_in_flight, mode=inputs.scheduler_mode,
         admission_cap=inputs.admission_cap, queue_depth=inputs.queue_depth,
         queue_limit=inputs.queue_limit,
-    )
+    ) if inputs.gated else None
     if gated is not None:
         verdict, binding = gated
         return replace(
@@ -270,9 +281,10 @@ def decide(inputs: AdmissionInputs) -> Decision:
                    f"{inputs.queue_depth}/{inputs.queue_limit} waiting",
         )
     if projected <= inputs.threshold_bytes:
-        return replace(base, reason=f"projected {_gib(projected)} fits under the threshold")
+        return replace(base, reason=f"projected {_gib(projected)} fits under the shed line "
+                                    f"{_gib(inputs.threshold_bytes)}")
     return replace(base, needs_relief=True,
-                   reason=f"projected {_gib(projected)} is over the threshold "
+                   reason=f"projected {_gib(projected)} is over the shed line "
                           f"{_gib(inputs.threshold_bytes)}")
 
 
@@ -288,20 +300,32 @@ def prefill_transient_bytes(request: AdmissionRequest, miss: int) -> int:
     return chunk * request.attention_heads * prompt * 4 * 2 + chunk * request.kv_bytes_per_token * 4
 
 
+@dataclass(frozen=True)
+class AdmissionLines:
+    limit_bytes: int  # projected usage must stay under it to be admitted
+    shed_bytes: int  # over it, the cascade sheds before admitting
+
+
+def admission_lines(limits: Limits) -> AdmissionLines:
+    """Admit nothing the prefill guard would abort mid-prompt: its line is the tier's
+    pre-chunk margin of the stable cap, below the ceiling."""
+    abort_line = prefill_abort_bytes(limits.tier, limits.abort_cap_bytes)
+    return AdmissionLines(min(limits.ceiling_bytes, abort_line),
+                          min(limits.hard_bytes, abort_line))
+
+
 def admission_inputs(snap: Snapshot, request: AdmissionRequest, limits: Limits,
                      level: PressureLevel, settings: AdmissionSettings) -> AdmissionInputs:
     bank = snap.bank or BankFigures()
     queue = snap.queue or QueueView(limit=settings.queue_limit)
     prompt = len(request.prompt_tokens)
     miss = max(1, prompt - bank.restore_prefix_tokens)
-    # Admit nothing the prefill guard would abort mid-prompt: its line is the tier's
-    # pre-chunk margin of the stable cap, below the ceiling.
-    abort_line = prefill_abort_bytes(limits.tier, limits.abort_cap_bytes)
+    lines = admission_lines(limits)
     return AdmissionInputs(
         usage_bytes=snap.readings.process_bytes,
         pool_bytes=snap.readings.pool_bytes,
-        ceiling_bytes=min(limits.ceiling_bytes, abort_line),
-        threshold_bytes=min(limits.hard_bytes, abort_line),
+        ceiling_bytes=lines.limit_bytes,
+        threshold_bytes=lines.shed_bytes,
         prompt_tokens=prompt + request.max_tokens,
         reusable_prefix_tokens=bank.restore_prefix_tokens,
         kv_bytes_per_token=request.kv_bytes_per_token,
@@ -319,6 +343,7 @@ def admission_inputs(snap: Snapshot, request: AdmissionRequest, limits: Limits,
         floor_bytes=sum(e.measured_bytes or 0 for e in snap.engines
                         if e.ready and (e.model_id == request.model or e.pinned or e.busy)),
         bank=bank,
+        gated=not request.holds_slot,
     )
 
 
@@ -386,6 +411,12 @@ def _describe(action: Action) -> str:
 def _refusal(d: Decision, binding: str, usage: int, tried: Sequence[str], why: str) -> Refuse:
     inputs = d.inputs
     projected = usage + d.request_bytes
+    if (binding == BINDING_CEILING and inputs.reserved_bytes
+            and projected - inputs.reserved_bytes <= inputs.ceiling_bytes):
+        # It would fit but for other clients' outstanding tickets.
+        binding = BINDING_RESERVATIONS
+        why += (f"; {_gib(inputs.reserved_bytes)} held by other clients' reservations "
+                "takes the room")
     return Refuse(
         binding=binding,
         error_reason=ERROR_REASONS.get(binding, "MEMORY_PRESSURE"),
@@ -431,7 +462,8 @@ def admission_plan(
     usage = inputs.usage_bytes
     bank_total = inputs.bank.total_bytes
     ready = [e for e in snap.engines if e.ready]
-    victims = idle_victims(snap.engines, exclude=(request.model,))
+    victims = idle_victims(snap.engines, exclude=(request.model,),
+                           warmup_s=config.load_warmup_s)  # a just-loaded model is spared
     # The pool is never asked for in an emergency, or when reclaim is off.
     may_reclaim = config.pressure_reclaim and level is not PressureLevel.EMERGENCY
     freeable = ((min(inputs.pool_bytes, usage) if may_reclaim else 0)
@@ -439,8 +471,9 @@ def admission_plan(
                 + (inputs.bank.chain_freeable_bytes if settings.chain_shed else 0)
                 + freeable_bytes(victims))
     if usage + need - freeable > inputs.ceiling_bytes:
-        why = (f"projected {_gib(usage + need)} exceeds the ceiling {_gib(inputs.ceiling_bytes)}"
-               f" even if every relief freed its {_gib(freeable)}; nothing was shed")
+        why = (f"projected {_gib(usage + need)} exceeds the admission limit "
+               f"{_gib(inputs.ceiling_bytes)} even if every relief freed its "
+               f"{_gib(freeable)}; nothing was shed")
         refusal = _refusal(d, BINDING_CEILING, usage, (), why)
         yield Execute((refusal,))
         return AdmissionResult(Verdict.REJECT, d, level, usage, refusal=refusal)
@@ -508,7 +541,7 @@ def admission_plan(
 
     if over(inputs.ceiling_bytes):
         tried = [_describe(o.action) for o in done]
-        why = (f"projected {_gib(usage + need)} after shedding exceeds the ceiling "
+        why = (f"projected {_gib(usage + need)} after shedding exceeds the admission limit "
                f"{_gib(inputs.ceiling_bytes)} by {_gib(usage + need - inputs.ceiling_bytes)} "
                f"(tried: {', '.join(tried) or 'nothing could free memory'})")
         refusal = _refusal(d, BINDING_CEILING, usage, tried, why)
@@ -517,7 +550,7 @@ def admission_plan(
     verdict = Verdict.ADMIT_AFTER_SHEDDING if done else Verdict.ADMIT
     d = replace(d, binding=BINDING_THRESHOLD if done else None,
                 reason=(f"projected {_gib(d.projected_bytes)} -> {_gib(usage + need)} after "
-                        f"shedding (threshold {_gib(inputs.threshold_bytes)}, ceiling "
+                        f"shedding (shed line {_gib(inputs.threshold_bytes)}, admission limit "
                         f"{_gib(inputs.ceiling_bytes)})"))
     return AdmissionResult(verdict, d, level, usage, tuple(done))
 

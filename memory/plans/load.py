@@ -1,10 +1,14 @@
 """Making room for a model load. Pure (a plan the governor drives).
 
-Before a load of `estimate` bytes: when usage (the reclaimable MLX pool aside)
-plus the estimate would cross the soft mark, evict idle non-pinned models in
-the eviction ladder's order until it would not. A load that could not fit under
-the ceiling even after every eviction it may make evicts nothing and is
-refused with the numbers; after the evictions, a fresh measurement decides.
+A load of `estimate` bytes is admitted only if it fits under the soft mark
+after the evictions it makes: a load that crossed soft would be undone by the
+next tick's relief, or would push other models out after the fact.
+
+Before the load, when usage (the reclaimable MLX pool aside) plus the estimate
+would cross soft, idle non-pinned models are evicted in the eviction ladder's
+order (models in their warm-up spared) until it would not. A load that could
+not fit under soft even after every eviction it may make evicts nothing and is
+refused with the numbers. After the evictions, a fresh measurement decides.
 """
 
 from __future__ import annotations
@@ -23,11 +27,15 @@ from memory.actions import (
 )
 from memory.ceiling import Limits, compute_limits
 from memory.config import MemoryConfig
-from memory.plans.eviction import freeable_bytes, idle_victims
+from memory.levels import MIB
+from memory.plans.eviction import freeable_bytes, idle_victims, warming
 from memory.plans.steps import Execute, Measure, Snapshot, Step
+from memory.views import EngineView
 
-ERROR_LOAD_EXCEEDS_CEILING = "MEMORY_PRESSURE"
+ERROR_LOAD_EXCEEDS_SOFT = "LOAD_EXCEEDS_SOFT"  # the ErrorInfo reason LoadModel answers with
+BINDING_LOAD_SOFT = "soft"  # the mark a load must fit under
 RETRY_AFTER_LOAD_S = 10.0
+RETRY_AFTER_WARMUP_MIN_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -40,36 +48,88 @@ def _usage(snap: Snapshot) -> int:
     return snap.readings.process_bytes - snap.readings.pool_bytes
 
 
+def _mib(n: int) -> str:
+    return f"{n / MIB:.0f} MiB"
+
+
+@dataclass(frozen=True)
+class WarmupWait:
+    """Models in their warm-up whose eviction would make the load fit, and how long
+    until the last of them may go."""
+
+    model_ids: tuple[str, ...]
+    bytes: int
+    seconds: float
+
+
+def warmup_wait(usage: int, estimate: int, limits: Limits, freeable: int,
+                snap: Snapshot, model_id: str, config: MemoryConfig) -> WarmupWait | None:
+    """None unless the load would fit once some idle models in their warm-up are past it."""
+    warm = [v for v in idle_victims(snap.engines, exclude=(model_id,),
+                                    warmup_s=config.load_warmup_s, warming_last=True)
+            if warming(v, config.load_warmup_s)]
+    chosen: list[EngineView] = []
+    predicted = usage - freeable
+    for v in sorted(warm, key=lambda v: -(v.loaded_age_s or 0.0)):  # soonest out first
+        chosen.append(v)
+        predicted -= v.measured_bytes or 0
+        if fits(predicted, estimate, limits):
+            left = config.load_warmup_s - (chosen[-1].loaded_age_s or 0.0)
+            return WarmupWait(tuple(c.model_id for c in chosen),
+                              freeable_bytes(chosen), max(0.0, left))
+    return None
+
+
 def _refusal(model_id: str, estimate: int, usage: int, limits: Limits, freeable: int,
-             tried: tuple[str, ...]) -> RefuseLoad:
+             tried: tuple[str, ...], wait: WarmupWait | None = None) -> RefuseLoad:
+    if tried:
+        after = f"after evicting {', '.join(t.removeprefix('evict:') for t in tried)}"
+    elif freeable:
+        after = f"even after evicting every idle model it may ({_mib(freeable)}); nothing was evicted"
+    else:
+        after = "and no idle model may be evicted"
+    numbers = {"estimated_bytes": estimate, "usage_bytes": usage,
+               "ceiling_bytes": limits.ceiling_bytes, "soft_bytes": limits.soft_bytes,
+               "freeable_bytes": freeable}
+    retry_after = RETRY_AFTER_LOAD_S
+    if wait is not None:
+        # Just-loaded models are spared for their warm-up: say when they may make room.
+        after += (f"; it may fit once {', '.join(repr(m) for m in wait.model_ids)} "
+                  f"({_mib(wait.bytes)}) pass their load warm-up, in {wait.seconds:.1f} s")
+        numbers["warming_bytes"] = wait.bytes
+        retry_after = max(RETRY_AFTER_WARMUP_MIN_S, wait.seconds)
     return RefuseLoad(
-        binding="ceiling",
-        error_reason=ERROR_LOAD_EXCEEDS_CEILING,
-        message=(f"model '{model_id}' needs about {estimate} bytes; usage {usage} + that "
-                 f"exceeds the ceiling {limits.ceiling_bytes} ({limits.binding_term})"
-                 + (f" even after evicting idle models worth {freeable} bytes"
-                    if freeable else "")),
-        retry_after_s=RETRY_AFTER_LOAD_S,
-        numbers={"estimated_bytes": estimate, "usage_bytes": usage,
-                 "ceiling_bytes": limits.ceiling_bytes, "soft_bytes": limits.soft_bytes,
-                 "freeable_bytes": freeable},
+        binding=BINDING_LOAD_SOFT,
+        error_reason=ERROR_LOAD_EXCEEDS_SOFT,
+        message=(f"model '{model_id}' needs about {_mib(estimate)}: usage {_mib(usage)} plus "
+                 f"that crosses the soft mark {_mib(limits.soft_bytes)} (ceiling "
+                 f"{_mib(limits.ceiling_bytes)}, {limits.binding_term}) {after}"),
+        retry_after_s=retry_after,
+        numbers=numbers,
         tried=tried,
     )
 
 
-def plan_evictions(usage: int, estimate: int, limits: Limits, snap: Snapshot,
-                   model_id: str) -> tuple[list[EvictModel], int]:
-    """Idle LRU models to evict so usage + estimate fits under soft -> (evictions, freeable)."""
-    victims = idle_victims(snap.engines, exclude=(model_id,))
-    evictions: list[EvictModel] = []
+def load_victims(snap: Snapshot, model_id: str, config: MemoryConfig) -> list[EngineView]:
+    """The idle models a load may evict: never the one being loaded, none in its warm-up."""
+    return idle_victims(snap.engines, exclude=(model_id,), warmup_s=config.load_warmup_s)
+
+
+def fits(usage: int, estimate: int, limits: Limits) -> bool:
+    return usage + estimate <= limits.soft_bytes
+
+
+def plan_evictions(usage: int, estimate: int, limits: Limits,
+                   victims: list[EngineView]) -> list[EngineView]:
+    """The first victims whose measured sizes bring usage + estimate under soft."""
+    chosen: list[EngineView] = []
     predicted = usage
     for v in victims:
-        if predicted + estimate <= limits.soft_bytes:
+        if fits(predicted, estimate, limits):
             break
-        evictions.append(EvictModel(v.model_id, f"{REASON_MAKE_ROOM_FOR_LOAD}:{model_id}",
-                                    predicted_bytes=v.measured_bytes))
+        chosen.append(v)
         predicted -= v.measured_bytes or 0
-    return evictions, freeable_bytes(victims)
+    return chosen
 
 
 def load_plan(model_id: str, estimate: int, config: MemoryConfig
@@ -77,20 +137,26 @@ def load_plan(model_id: str, estimate: int, config: MemoryConfig
     snap: Snapshot = yield Measure(MEASURE_LOAD)
     limits = compute_limits(snap.readings, config)
     usage = _usage(snap)
-    evictions, freeable = plan_evictions(usage, estimate, limits, snap, model_id)
-    if usage - freeable + estimate > limits.ceiling_bytes:
-        refusal = _refusal(model_id, estimate, usage, limits, freeable, ())
+    if fits(usage, estimate, limits):
+        return LoadResult()
+    victims = load_victims(snap, model_id, config)
+    freeable = freeable_bytes(victims)
+    if not fits(usage - freeable, estimate, limits):
+        wait = warmup_wait(usage, estimate, limits, freeable, snap, model_id, config)
+        refusal = _refusal(model_id, estimate, usage, limits, freeable, (), wait)
         yield Execute((refusal,))
         return LoadResult(refusal=refusal)  # hopeless: keep every model
-    if not evictions:
-        return LoadResult()
-    outcomes: list[Outcome] = yield Execute(tuple(evictions))
+    evictions = tuple(
+        EvictModel(v.model_id, f"{REASON_MAKE_ROOM_FOR_LOAD}:{model_id}",
+                   predicted_bytes=v.measured_bytes)
+        for v in plan_evictions(usage, estimate, limits, victims))
+    outcomes: list[Outcome] = yield Execute(evictions)
     evicted = tuple(o.action.model_id for o in outcomes
                     if isinstance(o.action, EvictModel) and o.done)
     snap = yield Measure(MEASURE_AFTER_EVICTION)
     limits = compute_limits(snap.readings, config)
     usage = _usage(snap)
-    if usage + estimate > limits.ceiling_bytes:
+    if not fits(usage, estimate, limits):
         refusal = _refusal(model_id, estimate, usage, limits, freeable,
                            tuple(f"evict:{m}" for m in evicted))
         yield Execute((refusal,))

@@ -27,7 +27,8 @@ The ladder, in order:
    grace remains.
 4. Relief toward the soft mark, with sizes predicted from measured model bytes:
    pending unloads first, then idle non-pinned LRU models (at soft only while
-   more than one non-pinned model is loaded; at hard even the last one); at
+   more than one non-pinned model is loaded; at hard even the last one; a model
+   in its load warm-up is spared below hard and taken last at hard); at
    hard, then the LRU busy non-pinned model (abort its requests, keep it loaded;
    in emergency abort all and mark a pending unload); with nothing evictable,
    flag in-progress loads to abort; with none, abort active requests on every
@@ -364,8 +365,10 @@ class ReliefPlan:
     complete: bool
 
 
-def _idle_victims(engines: Sequence[EngineView], memo: ReliefMemo) -> list[EngineView]:
-    return idle_victims(engines, exclude=memo.evicted | memo.skipped)
+def _idle_victims(engines: Sequence[EngineView], memo: ReliefMemo, warmup_s: float = 0.0,
+                  warming_last: bool = False) -> list[EngineView]:
+    return idle_victims(engines, exclude=memo.evicted | memo.skipped, warmup_s=warmup_s,
+                        warming_last=warming_last)
 
 
 def _busy_victim(engines: Sequence[EngineView], memo: ReliefMemo) -> EngineView | None:
@@ -407,8 +410,9 @@ def plan_relief(
     def plan(complete: bool = True) -> ReliefPlan:
         return ReliefPlan(tuple(actions), predicted, complete)
 
-    # Pending unloads and idle LRU models.
-    for victim in _idle_victims(live, memo):
+    # Pending unloads and idle LRU models; a model in its load warm-up is spared below
+    # hard and taken last at hard (memory.plans.eviction).
+    for victim in _idle_victims(live, memo, config.load_warmup_s, level >= HARD):
         if predicted <= soft:
             return plan()
         if not victim.pending_unload and level < HARD and non_pinned_loaded <= 1:

@@ -130,7 +130,7 @@ def test_describe_request_message_shows_fields(server):
     out = ok(grpcurl(server, "describe", "plimsoll.v1.GenerateRequest"))
     assert "plimsoll.v1.GenerateRequest is a message" in out
     for decl in (
-        "string model = 1;",
+        "string model_id = 1;",
         "oneof prompt {",
         "string text = 2;",
         ".plimsoll.v1.TokenIds token_ids = 3;",
@@ -160,7 +160,7 @@ def test_generate_streams_start_chunks_end(server):
     assert kinds[0] == "start"
     start = messages[0]["start"]
     assert field(start, "request_id")
-    assert field(start, "model") == "demo-tiny"
+    assert field(start, "model_id") == "demo-tiny"
     assert field(start, "prompt_tokens", 0) > 0
     assert field(start, "pressure_level", "").startswith("PRESSURE_LEVEL_")
 
@@ -176,7 +176,9 @@ def test_generate_streams_start_chunks_end(server):
     assert field(usage, "completion_tokens") == 8
     assert field(usage, "prompt_tokens") == field(start, "prompt_tokens")
     timings = field(end, "timings")
-    assert field(timings, "time_to_first_token_seconds", 0) > 0
+    # A google.protobuf.Duration in JSON: a decimal number of seconds, then "s".
+    ttft = field(timings, "time_to_first_token")
+    assert ttft.endswith("s") and float(ttft[:-1]) > 0
 
 
 def test_generate_with_token_ids_and_json_names(server):
@@ -213,7 +215,7 @@ def test_unknown_model_is_not_found(server):
     result = grpcurl(
         server,
         "plimsoll.v1.InferenceService/Generate",
-        data={"model": "no-such-model", "text": "hello", "max_tokens": 4},
+        data={"model_id": "no-such-model", "text": "hello", "max_tokens": 4},
     )
     assert result.returncode == GRPCURL_STATUS_BASE + NOT_FOUND, result
     assert "Code: NotFound" in result.stderr

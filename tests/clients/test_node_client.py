@@ -67,7 +67,7 @@ def test_node_generate_streams_start_chunks_end(server, node_client):
     assert events[0] == "start"
     start = messages[0]["start"]
     assert start["requestId"]
-    assert start["model"] == "demo-tiny"
+    assert start["modelId"] == "demo-tiny"
     assert start["promptTokens"] > 0
     assert start["pressureLevel"].startswith("PRESSURE_LEVEL_")
 
@@ -82,7 +82,8 @@ def test_node_generate_streams_start_chunks_end(server, node_client):
     assert end["finishReason"] == "FINISH_REASON_LENGTH"
     assert end["usage"]["completionTokens"] == max_tokens
     assert end["usage"]["promptTokens"] == start["promptTokens"]
-    assert end["timings"]["timeToFirstTokenSeconds"] > 0
+    ttft = end["timings"]["timeToFirstToken"]  # a Duration: {seconds, nanos}
+    assert int(ttft["seconds"]) * 1e9 + ttft["nanos"] > 0
 
 
 def test_node_sees_the_status_of_a_failed_stream(server, node_client):

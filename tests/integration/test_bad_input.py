@@ -71,7 +71,7 @@ CASES = [
     ("zero repetition penalty", req(text="hi", sampling={"repetition_penalty": 0.0}),
      grpc.StatusCode.INVALID_ARGUMENT, "sampling.repetition_penalty"),
     ("token id outside vocabulary", req(token_ids=inference_pb2.TokenIds(ids=[1, 10**9])),
-     grpc.StatusCode.INVALID_ARGUMENT, "token_ids.ids"),
+     grpc.StatusCode.INVALID_ARGUMENT, "token_ids.ids[1]"),
     ("prompt longer than context", req(token_ids=inference_pb2.TokenIds(ids=[5] * 5000)),
      grpc.StatusCode.OUT_OF_RANGE, "prompt"),
     ("bad chat role", req(chat=inference_pb2.ChatMessages(
@@ -91,7 +91,7 @@ def test_bad_input_is_named(stub, name, request_, code, field):
 
 
 def test_unknown_model_is_not_found(stub):
-    code, message, _ = failure(stub, req(model="no-such-model", text="hi"))
+    code, message, _ = failure(stub, req(model_id="no-such-model", text="hi"))
     assert code == grpc.StatusCode.NOT_FOUND
     assert "no-such-model" in message and "demo-tiny" in message
 

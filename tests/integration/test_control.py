@@ -7,32 +7,12 @@ import time
 
 import grpc
 import pytest
-from google.protobuf import duration_pb2
 
-from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
-from tools.harness.server import serving, start_server
+from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc, types_pb2
+from tests.support.wire import ttl
+from tools.harness.server import start_server
 
 MiB = 2**20
-
-
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory, demo_path):
-    # A custom ceiling far above what the tiny model needs: everything stays ok.
-    with serving(tmp_path_factory.mktemp("control"), "--memory-guard-gb", "8",
-                 "--poll-active", "0.2") as s:
-        yield s
-
-
-@pytest.fixture()
-def stubs(srv):
-    with srv.stubs() as pair:
-        yield pair
-
-
-def ttl(seconds: float) -> duration_pb2.Duration:
-    d = duration_pb2.Duration()
-    d.FromNanoseconds(int(seconds * 1e9))
-    return d
 
 
 def test_memory_status_reports_readings_limits_models(stubs):
@@ -43,26 +23,26 @@ def test_memory_status_reports_readings_limits_models(stubs):
     assert st.readings.process_bytes > 50 * MiB
     assert st.readings.system_total_bytes > st.readings.process_bytes
     assert st.readings.sources["footprint"]
-    assert st.limits.tier == "custom"
+    assert st.limits.tier == types_pb2.MEMORY_GUARD_TIER_CUSTOM
     assert st.limits.ceiling_bytes == 8 * 2**30
-    assert st.limits.binding_term == "custom"
+    assert st.limits.binding_term == types_pb2.CEILING_TERM_CUSTOM
     assert st.limits.soft_bytes < st.limits.hard_bytes < st.limits.ceiling_bytes
     assert st.limits.hard_bytes == int(st.limits.ceiling_bytes * 0.95)
-    [model] = [m for m in st.models if m.id == "demo-tiny"]
+    [model] = [m for m in st.models if m.model_id == "demo-tiny"]
     assert model.measured_bytes > 0 and model.batch_cap == 32
-    assert st.poll_interval_seconds > 0
+    assert st.poll_interval.ToNanoseconds() > 0
 
 
 def test_pin_and_unpin_model(stubs):
     control, _ = stubs
-    lease = control.Pin(control_pb2.PinRequest(model="demo-tiny", owner="test")).lease
-    assert lease.lease_id and lease.model == "demo-tiny" and lease.owner == "test"
-    models = {m.id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    lease = control.Pin(control_pb2.PinRequest(model_id="demo-tiny", owner="test")).lease
+    assert lease.lease_id and lease.model_id == "demo-tiny" and lease.owner == "test"
+    models = {m.model_id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
     assert models["demo-tiny"].pinned
     st = control.GetMemoryStatus(control_pb2.GetMemoryStatusRequest())
     assert lease.lease_id in {x.lease_id for x in st.leases}
     control.Unpin(control_pb2.UnpinRequest(lease_id=lease.lease_id))
-    models = {m.id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    models = {m.model_id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
     assert not models["demo-tiny"].pinned
     with pytest.raises(grpc.RpcError) as info:
         control.Unpin(control_pb2.UnpinRequest(lease_id=lease.lease_id))
@@ -71,11 +51,11 @@ def test_pin_and_unpin_model(stubs):
 
 def test_expired_lease_unpins(stubs):
     control, _ = stubs
-    lease = control.Pin(control_pb2.PinRequest(model="demo-tiny", ttl=ttl(0.5))).lease
-    assert lease.HasField("expires_at")
+    lease = control.Pin(control_pb2.PinRequest(model_id="demo-tiny", ttl=ttl(0.5))).lease
+    assert lease.HasField("expire_time")
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        models = {m.id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+        models = {m.model_id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
         if not models["demo-tiny"].pinned:
             break
         time.sleep(0.2)
@@ -84,14 +64,14 @@ def test_expired_lease_unpins(stubs):
 
 def test_pin_unloaded_model_loads_it(stubs, demo_path):
     control, inference = stubs
-    control.LoadModel(control_pb2.LoadModelRequest(source=str(demo_path), id="pinme"),
+    control.LoadModel(control_pb2.LoadModelRequest(source=str(demo_path), model_id="pinme"),
                       timeout=120)
-    control.UnloadModel(control_pb2.UnloadModelRequest(id="pinme"))
-    lease = control.Pin(control_pb2.PinRequest(model="pinme", owner="t"), timeout=120).lease
-    models = {m.id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    control.UnloadModel(control_pb2.UnloadModelRequest(model_id="pinme"))
+    lease = control.Pin(control_pb2.PinRequest(model_id="pinme", owner="t"), timeout=120).lease
+    models = {m.model_id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
     assert models["pinme"].state == control_pb2.MODEL_STATE_READY and models["pinme"].pinned
     control.Unpin(control_pb2.UnpinRequest(lease_id=lease.lease_id))
-    control.UnloadModel(control_pb2.UnloadModelRequest(id="pinme"))
+    control.UnloadModel(control_pb2.UnloadModelRequest(model_id="pinme"))
 
 
 def test_pin_bad_input(stubs):
@@ -100,7 +80,7 @@ def test_pin_bad_input(stubs):
         control.Pin(control_pb2.PinRequest(owner="nobody"))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as info:
-        control.Pin(control_pb2.PinRequest(model="/no/such/model"), timeout=60)
+        control.Pin(control_pb2.PinRequest(model_id="/no/such/model"), timeout=60)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -118,8 +98,11 @@ def test_watch_pressure_snapshot_samples_sequence(srv):
     assert msgs[0].WhichOneof("event") == "snapshot"
     assert msgs[0].snapshot.level == 1
     assert msgs[0].snapshot.limits.ceiling_bytes == 8 * 2**30
-    assert [m.sequence for m in msgs] == [1, 2, 3, 4]
+    # Per-process numbers: the snapshot carries the last event's, each sample the next.
+    seqs = [m.sequence for m in msgs]
+    assert seqs == sorted(set(seqs)) and seqs[1] > seqs[0]
     assert all(m.WhichOneof("event") == "sample" for m in msgs[1:])
+    assert msgs[0].snapshot.HasField("admission") and msgs[1].sample.HasField("admission")
 
 
 def test_admit_agrees_with_generate(stubs):
@@ -128,8 +111,8 @@ def test_admit_agrees_with_generate(stubs):
     resp = control.Admit(control_pb2.AdmitRequest(request=req, reserve=True,
                                                   reservation_ttl=ttl(10)))
     assert resp.verdict == control_pb2.ADMIT_VERDICT_ADMIT
-    assert resp.projected_bytes > 0 and resp.headroom_bytes > 0
-    assert resp.ticket and resp.HasField("ticket_expires_at")
+    assert resp.projected_bytes > 0 and resp.admission_headroom_bytes > 0
+    assert resp.ticket and resp.HasField("ticket_expire_time")
     req.admission_ticket = resp.ticket
     out = list(inference.Generate(req, timeout=60))
     assert out[-1].end.usage.completion_tokens == 8
@@ -140,7 +123,7 @@ def test_admit_agrees_with_generate(stubs):
     # Admit validates like Generate.
     with pytest.raises(grpc.RpcError) as info:
         control.Admit(control_pb2.AdmitRequest(
-            request=inference_pb2.GenerateRequest(text="x", model="nope")))
+            request=inference_pb2.GenerateRequest(text="x", model_id="nope")))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -209,7 +192,7 @@ def test_hyper_mode_admits_one_at_a_time(tmp_path, demo_path):
             resp = control.Admit(control_pb2.AdmitRequest(
                 request=inference_pb2.GenerateRequest(text="b", max_tokens=4)))
             assert resp.verdict == control_pb2.ADMIT_VERDICT_WAIT
-            assert resp.binding_constraint == "hyper_cap"
+            assert resp.binding_constraint == control_pb2.ADMIT_CONSTRAINT_HYPER_CAP
             t.join(60)
     finally:
         s.stop()
@@ -290,7 +273,7 @@ def test_waiting_for_admission_times_out_or_finds_the_queue_full(tmp_path, demo_
             t.join(60)
         assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        for err, reason in ((full.value, "QUEUE_FULL"), (errors[0], "MEMORY_PRESSURE")):
+        for err, reason in ((full.value, "QUEUE_FULL"), (errors[0], "ADMISSION_TIMEOUT")):
             details = rpc_status.from_call(err).details
             info = error_details_pb2.ErrorInfo()
             assert any(d.Unpack(info) for d in details) and info.reason == reason
@@ -305,40 +288,40 @@ def test_pin_of_an_unknown_model_is_not_found_and_fetches_nothing(stubs):
     """Only LoadModel (with a source) fetches anything: Pin of a name the server does
     not know is NOT_FOUND at once — no hub download attempt — and leaves no entry."""
     control, _ = stubs
-    before = {m.id for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    before = {m.model_id for m in control.ListModels(control_pb2.ListModelsRequest()).models}
     for name in ("no-such", "mlx-community/not-a-model-here"):
         with pytest.raises(grpc.RpcError) as info:
-            control.Pin(control_pb2.PinRequest(model=name, owner="t"), timeout=10)
+            control.Pin(control_pb2.PinRequest(model_id=name, owner="t"), timeout=10)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         assert name in info.value.details()
-    after = {m.id for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    after = {m.model_id for m in control.ListModels(control_pb2.ListModelsRequest()).models}
     assert after == before
 
 
 def test_a_failed_load_leaves_no_ghost_entry(stubs):
     control, _ = stubs
-    before = {m.id for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    before = {m.model_id for m in control.ListModels(control_pb2.ListModelsRequest()).models}
     for source, code in (("/no/such/folder", grpc.StatusCode.NOT_FOUND),
                          ("mlx-community/Qwen3-0.6B-4bit", grpc.StatusCode.UNAVAILABLE)):
         with pytest.raises(grpc.RpcError) as info:
             control.LoadModel(control_pb2.LoadModelRequest(source=source), timeout=120)
         assert info.value.code() == code
-    after = {m.id for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    after = {m.model_id for m in control.ListModels(control_pb2.ListModelsRequest()).models}
     assert after == before
 
 
 def test_unloading_a_pinned_model_needs_force_and_releases_its_leases(stubs, demo_path):
     control, _ = stubs
-    control.LoadModel(control_pb2.LoadModelRequest(source=str(demo_path), id="pinned-unload"),
+    control.LoadModel(control_pb2.LoadModelRequest(source=str(demo_path), model_id="pinned-unload"),
                       timeout=120)
-    lease = control.Pin(control_pb2.PinRequest(model="pinned-unload", owner="t")).lease
+    lease = control.Pin(control_pb2.PinRequest(model_id="pinned-unload", owner="t")).lease
     with pytest.raises(grpc.RpcError) as info:
-        control.UnloadModel(control_pb2.UnloadModelRequest(id="pinned-unload"))
+        control.UnloadModel(control_pb2.UnloadModelRequest(model_id="pinned-unload"))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "pinned" in info.value.details()
-    control.UnloadModel(control_pb2.UnloadModelRequest(id="pinned-unload", force=True))
+    control.UnloadModel(control_pb2.UnloadModelRequest(model_id="pinned-unload", force=True))
     status = control.GetMemoryStatus(control_pb2.GetMemoryStatusRequest())
     assert lease.lease_id not in {x.lease_id for x in status.leases}
-    models = {m.id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    models = {m.model_id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
     assert models["pinned-unload"].state == control_pb2.MODEL_STATE_UNLOADED
     assert not models["pinned-unload"].pinned

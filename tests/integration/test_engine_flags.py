@@ -20,7 +20,7 @@ import mlx.core as mx
 import pytest
 
 from engine.demo_models import ensure_demo_model
-from engine.errors import Aborted, ResourceExhausted, Unavailable
+from engine.errors import Aborted, Unavailable
 from engine.model_engine import (
     EngineSettings,
     FinishHook,
@@ -158,8 +158,9 @@ async def test_a_pending_unload_refuses_new_work_and_unloads_once_idle(tiny):
         pool.acquire(entry)
         sink = submit(entry.engine, "r", 64)
         entry.pending_unload_reason = "test"
-        with pytest.raises(ResourceExhausted):
+        with pytest.raises(Unavailable) as refused:
             pool.ready("m")
+        assert refused.value.reason == "MODEL_UNLOADING"
 
         assert isinstance(await last_event(sink), Finished)
         assert entry.state == ModelState.READY  # still held by its request
@@ -222,8 +223,8 @@ async def test_a_pre_chunk_abort_ends_the_request_typed_and_the_engine_keeps_ser
 
         event = await last_event(submit(engine, "too-big", 4, long_prompt(64)))
 
-        assert isinstance(event, Failed) and isinstance(event.error, ResourceExhausted)
-        assert event.error.reason == "PREFILL_EXCEEDS_CEILING"
+        assert isinstance(event, Failed) and isinstance(event.error, Aborted)
+        assert event.error.reason == "PREFILL_ABORT"
         assert event.error.metadata["remaining_tokens"] == "64"
         assert event.error.metadata["chunk_tokens"] == "16"
         assert [r.request_id for r in reports] == ["too-big"]

@@ -48,14 +48,14 @@ def test_stream_shape(inference):
     assert kinds[0] == "start" and kinds[-1] == "end"
     assert set(kinds[1:-1]) == {"chunk"}
     start, end = msgs[0].start, msgs[-1].end
-    assert start.request_id and start.model == "demo-tiny"
+    assert start.request_id and start.model_id == "demo-tiny"
     assert start.prompt_tokens > 0
     assert start.pressure_level == 1  # PRESSURE_LEVEL_OK
     assert len(tokens_of(msgs)) == 12
     assert end.finish_reason == inference_pb2.FINISH_REASON_LENGTH
     assert end.usage.completion_tokens == 12
     assert end.usage.prompt_tokens == start.prompt_tokens
-    assert end.timings.time_to_first_token_seconds > 0
+    assert end.timings.time_to_first_token.ToNanoseconds() / 1e9 > 0
 
 
 def test_greedy_matches_mlx_lm(inference, demo_path):

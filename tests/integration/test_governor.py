@@ -21,6 +21,7 @@ from memory.config import MemoryConfig
 from memory.levels import PressureLevel, Tier
 from memory.plans.steps import Execute, Measure
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
+from service.convert import label
 from service.server import PlimsollServer, ServerConfig
 from telemetry import names
 from tests.support.memory_fakes import ScriptedReader, readings
@@ -152,7 +153,7 @@ async def stream_tokens(port: int, model: str, max_tokens: int) -> AsyncIterator
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
         call = stub.Generate(inference_pb2.GenerateRequest(
-            model=model, text="a request that arrives after the decision",
+            model_id=model, text="a request that arrives after the decision",
             max_tokens=max_tokens, ignore_eos=True))
         async for msg in call:
             yield msg
@@ -204,7 +205,8 @@ async def test_an_eviction_rechecks_before_it_aborts_and_records_only_what_happe
     unloads = [s for s in exporter.get_finished_spans() if s.name == names.SPAN_MODEL_UNLOAD
                and s.attributes.get(names.ATTR_MODEL) == "extra-1"]
     assert not unloads
-    kinds = [m.action.kind for m in events if m.WhichOneof("event") == "action"]
+    kinds = [label(control_pb2.EnforcerActionKind, m.action.kind) for m in events
+             if m.WhichOneof("event") == "action"]
     assert "evict_model" not in kinds
 
 
@@ -218,8 +220,9 @@ async def test_admission_evicts_idle_models_before_it_refuses(demo_path, exporte
     Scale: a 512 MiB custom ceiling (soft 435, hard and abort line 486 MiB), so the
     tiny model's 4,000-token prefill (~70 MiB projected) matters. Scripted usage is
     a base plus what the loaded idle models measured at load."""
+    # load_warmup_s=0: the idle models were loaded just now, and are meant to be evictable.
     memory = MemoryConfig(tier=Tier.CUSTOM, custom_ceiling_gib=0.5, idle_poll_s=3600,
-                          empty_poll_s=3600, active_poll_s=3600)
+                          empty_poll_s=3600, active_poll_s=3600, load_warmup_s=0)
     mib = 1 << 20
     reader = ScriptedReader(readings(0.3))
     server = await start(demo_path, reader, models=3, memory=memory,
@@ -245,7 +248,7 @@ async def test_admission_evicts_idle_models_before_it_refuses(demo_path, exporte
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
             stub = inference_pb2_grpc.InferenceServiceStub(ch)
             request = inference_pb2.GenerateRequest(
-                model=pinned, token_ids=inference_pb2.TokenIds(ids=[5] * 4000),
+                model_id=pinned, token_ids=inference_pb2.TokenIds(ids=[5] * 4000),
                 max_tokens=1, ignore_eos=True)
             msgs = [m async for m in stub.Generate(request)]
             assert msgs[-1].WhichOneof("event") == "end"
@@ -264,7 +267,7 @@ async def test_admission_evicts_idle_models_before_it_refuses(demo_path, exporte
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 _ = [m async for m in stub.Generate(request)]
             assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "ceiling" in err.value.details()
+            assert "admission limit" in err.value.details()
             assert pool.get("extra-2").engine is not None
     finally:
         if on_change in pool.listeners:
@@ -313,7 +316,7 @@ async def test_os_pressure_sheds_idle_sessions_with_one_span_per_shrink_and_recl
 async def test_a_pre_chunk_prefill_abort_is_typed_and_recorded(demo_path, exporter):
     """The real prefill guard with a ceiling below what the engine already holds: the
     engine thread ends the request before its first chunk, the client gets
-    RESOURCE_EXHAUSTED / PREFILL_EXCEEDS_CEILING, and the abort has its span and
+    ABORTED / PREFILL_ABORT, and the abort has its span and
     WatchPressure event."""
     reader = ScriptedReader(readings(OK_GIB))
     server = await start(demo_path, reader, models=1)
@@ -332,7 +335,7 @@ async def test_a_pre_chunk_prefill_abort_is_typed_and_recorded(demo_path, export
                                                     max_tokens=4)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 _ = [m async for m in stub.Generate(request)]
-        assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.value.code() is grpc.StatusCode.ABORTED  # PREFILL_ABORT
         assert "pre-chunk abort" in err.value.details()
         await asyncio.sleep(0.2)
     finally:
@@ -342,7 +345,8 @@ async def test_a_pre_chunk_prefill_abort_is_typed_and_recorded(demo_path, export
     assert span.attributes[names.ATTR_ABORT_KIND] == "prefill"
     assert span.attributes[names.ATTR_REASON] == "prefill_exceeds_ceiling"
     assert len(span.attributes[names.ATTR_REQUEST_IDS]) == 1
-    kinds = [m.action.kind for m in events if m.WhichOneof("event") == "action"]
+    kinds = [label(control_pb2.EnforcerActionKind, m.action.kind) for m in events
+             if m.WhichOneof("event") == "action"]
     assert kinds.count("prefill_abort") == 1
 
 
@@ -419,8 +423,9 @@ async def test_a_client_cancelled_during_its_admission_eviction_leaves_no_half_u
     """The admission of a request evicts an idle model; the client cancels while the
     unload is under way. The eviction still finishes: the model ends unloaded (not
     stuck UNLOADING with a stopped engine), and its eviction is recorded once."""
+    # load_warmup_s=0: the idle models were loaded just now, and are meant to be evictable.
     memory = MemoryConfig(tier=Tier.CUSTOM, custom_ceiling_gib=0.5, idle_poll_s=3600,
-                          empty_poll_s=3600, active_poll_s=3600)
+                          empty_poll_s=3600, active_poll_s=3600, load_warmup_s=0)
     mib = 1 << 20
     reader = ScriptedReader(readings(0.3))
     server = await start(demo_path, reader, models=2, memory=memory,
@@ -444,7 +449,7 @@ async def test_a_client_cancelled_during_its_admission_eviction_leaves_no_half_u
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:
             stub = inference_pb2_grpc.InferenceServiceStub(ch)
             call = stub.Generate(inference_pb2.GenerateRequest(
-                model=pinned, token_ids=inference_pb2.TokenIds(ids=[5] * 4000),
+                model_id=pinned, token_ids=inference_pb2.TokenIds(ids=[5] * 4000),
                 max_tokens=1, ignore_eos=True))
 
             def on_change() -> None:

@@ -28,18 +28,18 @@ def stubs(lifecycle_server):
 
 
 def models(control) -> dict[str, control_pb2.ModelInfo]:
-    return {m.id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
+    return {m.model_id: m for m in control.ListModels(control_pb2.ListModelsRequest()).models}
 
 
 def generate(inference, model: str, n: int = 4) -> list:
     return list(inference.Generate(inference_pb2.GenerateRequest(
-        model=model, text="hello", max_tokens=n, ignore_eos=True), timeout=120))
+        model_id=model, text="hello", max_tokens=n, ignore_eos=True), timeout=120))
 
 
 def test_load_serve_unload_reload(stubs):
     control, inference = stubs
     small = ensure_demo_model("small")
-    loaded = control.LoadModel(control_pb2.LoadModelRequest(source=str(small), id="second"),
+    loaded = control.LoadModel(control_pb2.LoadModelRequest(source=str(small), model_id="second"),
                                timeout=300).model
     assert loaded.state == control_pb2.MODEL_STATE_READY
     assert loaded.measured_bytes > 10 * 2**20
@@ -47,24 +47,24 @@ def test_load_serve_unload_reload(stubs):
     assert generate(inference, "second")[-1].end.usage.completion_tokens == 4
     assert generate(inference, "demo-tiny")[-1].end.usage.completion_tokens == 4
 
-    freed = control.UnloadModel(control_pb2.UnloadModelRequest(id="second")).freed_bytes
+    freed = control.UnloadModel(control_pb2.UnloadModelRequest(model_id="second")).freed_bytes
     # MLX active memory returns near its pre-load figure.
     assert freed >= 0.9 * loaded.measured_bytes, (freed, loaded.measured_bytes)
     assert models(control)["second"].state == control_pb2.MODEL_STATE_UNLOADED
     with pytest.raises(grpc.RpcError) as info:
         generate(inference, "second")
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # MODEL_NOT_LOADED
 
-    again = control.LoadModel(control_pb2.LoadModelRequest(source=str(small), id="second"),
+    again = control.LoadModel(control_pb2.LoadModelRequest(source=str(small), model_id="second"),
                               timeout=300).model
     assert abs(again.measured_bytes - loaded.measured_bytes) < 0.1 * loaded.measured_bytes
     assert generate(inference, "second")[-1].end.usage.completion_tokens == 4
-    control.UnloadModel(control_pb2.UnloadModelRequest(id="second"))
+    control.UnloadModel(control_pb2.UnloadModelRequest(model_id="second"))
 
 
 def test_unload_busy_model_refused_then_forced(stubs, lifecycle_server, demo_path):
     control, inference = stubs
-    control.LoadModel(control_pb2.LoadModelRequest(source=str(demo_path), id="busy"),
+    control.LoadModel(control_pb2.LoadModelRequest(source=str(demo_path), model_id="busy"),
                       timeout=120)
     errors: list[grpc.RpcError] = []
     started = threading.Event()
@@ -74,7 +74,7 @@ def test_unload_busy_model_refused_then_forced(stubs, lifecycle_server, demo_pat
             stub = inference_pb2_grpc.InferenceServiceStub(ch)
             try:
                 for m in stub.Generate(inference_pb2.GenerateRequest(
-                        model="busy", text="x", max_tokens=3000, ignore_eos=True),
+                        model_id="busy", text="x", max_tokens=3000, ignore_eos=True),
                         timeout=120):
                     if m.WhichOneof("event") == "chunk":
                         started.set()
@@ -85,9 +85,9 @@ def test_unload_busy_model_refused_then_forced(stubs, lifecycle_server, demo_pat
     t.start()
     assert started.wait(60)
     with pytest.raises(grpc.RpcError) as info:
-        control.UnloadModel(control_pb2.UnloadModelRequest(id="busy"))
+        control.UnloadModel(control_pb2.UnloadModelRequest(model_id="busy"))
     assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    resp = control.UnloadModel(control_pb2.UnloadModelRequest(id="busy", force=True))
+    resp = control.UnloadModel(control_pb2.UnloadModelRequest(model_id="busy", force=True))
     assert resp.aborted_requests == 1
     t.join(60)
     assert len(errors) == 1
@@ -111,22 +111,22 @@ def test_load_errors(stubs):
         control.LoadModel(control_pb2.LoadModelRequest(source="/no/such/folder"), timeout=60)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(grpc.RpcError) as info:
-        control.UnloadModel(control_pb2.UnloadModelRequest(id="nope"))
+        control.UnloadModel(control_pb2.UnloadModelRequest(model_id="nope"))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_lru_order_follows_use(stubs, demo_path):
     control, inference = stubs
     for name in ("lru-a", "lru-b"):
-        control.LoadModel(control_pb2.LoadModelRequest(source=str(demo_path), id=name),
+        control.LoadModel(control_pb2.LoadModelRequest(source=str(demo_path), model_id=name),
                           timeout=120)
     generate(inference, "lru-b")
     time.sleep(0.01)
     generate(inference, "lru-a")
     ms = models(control)
-    assert ms["lru-a"].last_used.ToNanoseconds() > ms["lru-b"].last_used.ToNanoseconds()
+    assert ms["lru-a"].last_used_time.ToNanoseconds() > ms["lru-b"].last_used_time.ToNanoseconds()
     for name in ("lru-a", "lru-b"):
-        control.UnloadModel(control_pb2.UnloadModelRequest(id=name))
+        control.UnloadModel(control_pb2.UnloadModelRequest(model_id=name))
 
 
 def test_repository_id_takes_the_download_path(stubs):
@@ -150,6 +150,6 @@ def test_serve_several_models_from_flags(tmp_path, demo_path):
             assert set(ms) == {"tiny-v1", "small-v1"}
             assert ms["tiny-v1"].is_default and not ms["small-v1"].is_default
             assert generate(inference, "small-v1")[-1].end.usage.completion_tokens == 4
-            assert generate(inference, "")[0].start.model == "tiny-v1"
+            assert generate(inference, "")[0].start.model_id == "tiny-v1"
     finally:
         srv.stop()

@@ -58,31 +58,33 @@ def _tightened_limit(usage: int) -> tuple[int, int]:
 
 
 def _request(model: str, tokens: list[int]) -> inference_pb2.GenerateRequest:
-    return inference_pb2.GenerateRequest(model=model, token_ids=inference_pb2.TokenIds(ids=tokens),
+    return inference_pb2.GenerateRequest(model_id=model, token_ids=inference_pb2.TokenIds(ids=tokens),
                                          max_tokens=4, ignore_eos=True)
 
 
 def _loaded(control) -> dict[str, control_pb2.ModelInfo]:
     models = control.ListModels(control_pb2.ListModelsRequest(), timeout=10).models
-    return {m.id: m for m in models if m.state == control_pb2.MODEL_STATE_READY}
+    return {m.model_id: m for m in models if m.state == control_pb2.MODEL_STATE_READY}
 
 
-def test_admission_evicts_idle_models_before_it_refuses(cgroups, servers):
+def test_admission_evicts_idle_models_before_it_refuses(cgroups, servers, tmp_path):
     tiny_path, medium_path = ensure_demo_model("tiny"), ensure_demo_model("medium")
     for path in (tiny_path, medium_path):
         warm_page_cache(path)  # model-file page cache is charged to the test, not the cgroup
     cg = cgroups(START_LIMIT_BYTES)
-    srv = servers("--memory-guard-gb", "8", "--soft-fraction", str(SOFT_FRACTION),
+    # m1 and m2 are loaded just before admission is asked to evict one: no load warm-up.
+    srv = servers("--load-warmup", "0",
+                  "--memory-guard-gb", "8", "--soft-fraction", str(SOFT_FRACTION),
                   "--hard-fraction", str(HARD_FRACTION), "--poll-active", "0.25",
                   "--poll-idle", "0.5", "--poll-empty", "0.5", cgroup=cg)
     ch = srv.channel()
     control = control_pb2_grpc.ControlServiceStub(ch)
-    tiny = next(m.id for m in control.ListModels(control_pb2.ListModelsRequest(),
+    tiny = next(m.model_id for m in control.ListModels(control_pb2.ListModelsRequest(),
                                                  timeout=30).models if m.is_default)
     for model_id in ("m1", "m2"):  # m1 first: the least recently used idle model
-        control.LoadModel(control_pb2.LoadModelRequest(source=str(medium_path), id=model_id),
+        control.LoadModel(control_pb2.LoadModelRequest(source=str(medium_path), model_id=model_id),
                           timeout=120)
-    control.Pin(control_pb2.PinRequest(model=tiny, owner="admission-test"), timeout=30)
+    control.Pin(control_pb2.PinRequest(model_id=tiny, owner="admission-test"), timeout=30)
     rng = random.Random(7)
     tokens = [rng.randrange(5, 1000) for _ in range(PROMPT_TOKENS)]
     warm = run_generate(srv.address, _request(tiny, tokens[:64]))
@@ -107,7 +109,7 @@ def test_admission_evicts_idle_models_before_it_refuses(cgroups, servers):
         admit = control.Admit(control_pb2.AdmitRequest(request=_request(tiny, tokens)),
                               timeout=30)
         print(f"Admit: verdict {admit.verdict} projected {mib(admit.projected_bytes)} "
-              f"headroom {mib(admit.headroom_bytes)} reason {admit.reason!r}")
+              f"headroom {mib(admit.admission_headroom_bytes)} reason {admit.reason!r}")
         assert admit.verdict == control_pb2.ADMIT_VERDICT_ADMIT_AFTER_SHEDDING, admit
         turn = run_generate(srv.address, _request(tiny, tokens))
         print(f"Generate: {turn.ended}")

@@ -221,9 +221,9 @@ def balloon_run(tmp_path_factory, cgroup_support) -> BalloonRun:
         with srv.channel() as ch:
             control = control_pb2_grpc.ControlServiceStub(ch)
             models = control.ListModels(control_pb2.ListModelsRequest(), timeout=30).models
-            run.model_id = next(m.id for m in models if m.is_default)
+            run.model_id = next(m.model_id for m in models if m.is_default)
             control.Pin(
-                control_pb2.PinRequest(model=run.model_id, owner="balloon-test"), timeout=60
+                control_pb2.PinRequest(model_id=run.model_id, owner="balloon-test"), timeout=60
             )
         run.watcher = PressureWatcher(srv.address, include_actions=True).start()
         poller = StatusPoller(srv.address, period_s=0.05).start()
@@ -293,7 +293,7 @@ def test_balloon_drives_ok_soft_hard_and_back_to_ok(balloon_run: BalloonRun):
     # WatchPressure saw ok -> soft -> hard ... -> ok, in order, with no gap.
     watcher = run.watcher
     assert watcher is not None
-    problems = watcher.problems(contiguous=True)
+    problems = watcher.problems()
     assert not problems, f"{problems}\n{watcher.describe()}"
     transitions = [
         (level_name(t.from_level), level_name(t.to_level)) for t in watcher.transitions()
@@ -356,7 +356,7 @@ def test_store_cache_cap_walks_one_step_per_poll(balloon_run: BalloonRun):
 
     # The action stream reports the same walk ("store_cache_cap", reason "cap N").
     assert run.watcher is not None
-    reported = [a.reason for a in run.watcher.actions("store_cache_cap") if a.model == run.model_id]
+    reported = [a.reason for a in run.watcher.actions("store_cache_cap") if a.model_id == run.model_id]
     if reported:
         numbers = [int(r.split()[-1]) for r in reported if r.split() and r.split()[-1].isdigit()]
         assert numbers == walk[1:], f"store_cache_cap actions {reported} vs status walk {walk}"

@@ -46,10 +46,10 @@ def test_unload_returns_memory_to_the_system(tmp_path):
                 model_id = f"cycle{i}"
                 before = rss_bytes(srv.proc.pid)
                 info = control.LoadModel(
-                    control_pb2.LoadModelRequest(source=str(medium), id=model_id), timeout=120
+                    control_pb2.LoadModelRequest(source=str(medium), model_id=model_id), timeout=120
                 ).model
                 loaded = rss_bytes(srv.proc.pid)
-                control.UnloadModel(control_pb2.UnloadModelRequest(id=model_id), timeout=60)
+                control.UnloadModel(control_pb2.UnloadModelRequest(model_id=model_id), timeout=60)
                 want = loaded - RETURN_FRACTION * info.measured_bytes
                 deadline = time.monotonic() + 3
                 after = rss_bytes(srv.proc.pid)

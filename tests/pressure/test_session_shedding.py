@@ -49,6 +49,7 @@ import pytest
 
 from engine.demo_models import ensure_demo_model
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2
+from service.convert import label as wire_label
 from tests.pressure.harness import (
     EMERGENCY,
     MIB,
@@ -58,6 +59,7 @@ from tests.pressure.harness import (
     StatusPoller,
     Turn,
     is_typed_end,
+    kind_label,
     level_name,
     mib,
     rss_bytes,
@@ -94,7 +96,7 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 def _request(model: str, tokens: list[int], max_tokens: int, session_id: str = ""):
     return inference_pb2.GenerateRequest(
-        model=model,
+        model_id=model,
         token_ids=inference_pb2.TokenIds(ids=tokens),
         max_tokens=max_tokens,
         ignore_eos=True,
@@ -106,12 +108,16 @@ def _verdict(v: int) -> str:
     return control_pb2.AdmitVerdict.Name(v).removeprefix("ADMIT_VERDICT_").lower()
 
 
+def constraint(admit: control_pb2.AdmitResponse) -> str:
+    return wire_label(control_pb2.AdmitConstraint, admit.binding_constraint)
+
+
 def _admit_line(r: control_pb2.AdmitResponse) -> str:
     retry = r.retry_after.seconds + r.retry_after.nanos / 1e9 if r.HasField("retry_after") else 0
     return (
         f"{_verdict(r.verdict)} projected {mib(r.projected_bytes)} headroom "
-        f"{mib(r.headroom_bytes)} shed {r.shed_entries} entries / {mib(r.shed_bytes)} "
-        f"binding '{r.binding_constraint}' level {level_name(r.pressure_level)}"
+        f"{mib(r.admission_headroom_bytes)} shed {r.shed_entries} entries / {mib(r.shed_bytes)} "
+        f"binding '{constraint(r)}' level {level_name(r.pressure_level)}"
         + (f" retry {retry:.1f}s" if retry else "")
     )
 
@@ -205,11 +211,11 @@ def test_long_prompts_shed_idle_sessions_and_spare_active_ones(cgroups, servers)
     ch = srv.channel()
     control = control_pb2_grpc.ControlServiceStub(ch)
     models = control.ListModels(control_pb2.ListModelsRequest(), timeout=30).models
-    tiny = next(m.id for m in models if m.is_default)
-    control.LoadModel(control_pb2.LoadModelRequest(source=str(small_path), id="small"), timeout=120)
+    tiny = next(m.model_id for m in models if m.is_default)
+    control.LoadModel(control_pb2.LoadModelRequest(source=str(small_path), model_id="small"), timeout=120)
     small = "small"
     for model_id in (tiny, small):  # never an eviction victim, never a model-level abort
-        control.Pin(control_pb2.PinRequest(model=model_id, owner="shedding-test"), timeout=60)
+        control.Pin(control_pb2.PinRequest(model_id=model_id, owner="shedding-test"), timeout=60)
     poller = StatusPoller(srv.address, period_s=0.05).start()
     watcher = PressureWatcher(srv.address, include_actions=True).start()
     turns: dict[str, Turn] = {}
@@ -408,20 +414,21 @@ def test_long_prompts_shed_idle_sessions_and_spare_active_ones(cgroups, servers)
         waited = r.admit.verdict == control_pb2.ADMIT_VERDICT_WAIT and r is r2
         check(
             r.admit.verdict == control_pb2.ADMIT_VERDICT_REJECT
-            and r.admit.binding_constraint in ("ceiling", "prefill_exceeds_ceiling")
+            and constraint(r.admit) in ("admission_limit", "prefill_exceeds_ceiling")
             or waited,
             f"{r.name}: Admit should REJECT at the ceiling: {_admit_line(r.admit)}",
         )
         check(
             not r.turn.admitted
             and e.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            and e.reason in ("MEMORY_PRESSURE", "PREFILL_EXCEEDS_CEILING"),
+            and e.reason in ("MEMORY_PRESSURE", "PREFILL_EXCEEDS_CEILING")
+            + (("ADMISSION_TIMEOUT",) if waited else ()),
             f"{r.name}: Admit said {_verdict(r.admit.verdict)} but Generate did not end "
             f"RESOURCE_EXHAUSTED/MEMORY_PRESSURE before any prefill: start={r.turn.start} {e}",
         )
         check(
-            e.metadata.get("binding") == r.admit.binding_constraint,
-            f"{r.name}: Admit's binding constraint '{r.admit.binding_constraint}' but "
+            e.metadata.get("binding") == constraint(r.admit),
+            f"{r.name}: Admit's binding constraint '{constraint(r.admit)}' but "
             f"Generate's '{e.metadata.get('binding')}'",
         )
         check(
@@ -431,7 +438,7 @@ def test_long_prompts_shed_idle_sessions_and_spare_active_ones(cgroups, servers)
         if not waited:
             numeric = {k for k, v in e.metadata.items() if v.lstrip("-").isdigit()}
             check(
-                {"projected_bytes", "ceiling_bytes", "usage_bytes"} <= numeric,
+                {"projected_bytes", "admission_limit_bytes", "usage_bytes"} <= numeric,
                 f"{r.name}: the refusal's ErrorInfo metadata lacks byte figures: {e.metadata}",
             )
             if e.metadata.get("projected_after_shed_bytes", "").isdigit():
@@ -515,9 +522,9 @@ def test_long_prompts_shed_idle_sessions_and_spare_active_ones(cgroups, servers)
         f"the level reached emergency: {transitions}",
     )
     aborts = [
-        f"{x.kind} {list(x.request_ids)}: {x.reason}"
+        f"{kind_label(x.kind)} {list(x.request_ids)}: {x.reason}"
         for x in watcher.actions()
-        if x.kind.startswith("abort")
+        if kind_label(x.kind).startswith("abort")
     ]
     check(not aborts, f"the enforcer aborted requests: {aborts}")
     note(

@@ -76,11 +76,11 @@ def test_over_the_threshold_needs_relief_with_exact_numbers():
     assert d.projected_bytes == 10 * GiB and d.request_bytes == 2 * GiB
     assert d.headroom_bytes == 2 * GiB + GiB // 2
     assert d.numbers == {
-        "usage_bytes": 8 * GiB, "projected_bytes": 10 * GiB, "threshold_bytes": 8 * GiB,
-        "ceiling_bytes": 10 * GiB + GiB // 2, "pool_bytes": GiB // 2, "reserved_bytes": 0,
+        "usage_bytes": 8 * GiB, "projected_bytes": 10 * GiB, "shed_line_bytes": 8 * GiB,
+        "admission_limit_bytes": 10 * GiB + GiB // 2, "pool_bytes": GiB // 2, "reserved_bytes": 0,
         "miss_tokens": 2048, "kv_bytes_per_token": MiB, "bank_bytes": 3 * GiB,
     }
-    assert "over the threshold" in d.reason and "8.00 GiB" in d.reason
+    assert "over the shed line" in d.reason and "8.00 GiB" in d.reason
 
 
 def test_exactly_at_the_threshold_needs_no_relief():
@@ -92,7 +92,7 @@ def test_even_past_the_ceiling_decide_only_asks_for_relief():
     # 8 GiB + 5120 x 1 MiB = 13 GiB > 9 GiB: the refusal is the plan's, after the cascade.
     d = decide(ladder_inputs(prompt_tokens=30 + 5 * 1024, ceiling_bytes=9 * GiB))
     assert d.needs_relief and d.projected_bytes == 13 * GiB
-    assert d.numbers["miss_tokens"] == 5120 and d.numbers["ceiling_bytes"] == 9 * GiB
+    assert d.numbers["miss_tokens"] == 5120 and d.numbers["admission_limit_bytes"] == 9 * GiB
 
 
 def test_reserved_tickets_of_others_count_against_the_projection():
@@ -102,13 +102,15 @@ def test_reserved_tickets_of_others_count_against_the_projection():
     assert not decide(ladder_inputs(usage_bytes=5 * GiB, reserved_bytes=GiB)).needs_relief
 
 
-def test_paused_at_soft_but_first_request_passes():
-    d = decide(ladder_inputs(usage_bytes=GiB, level=PressureLevel.SOFT))
-    assert d.verdict is Verdict.ADMIT and not d.needs_relief
-    d = decide(ladder_inputs(usage_bytes=GiB, level=PressureLevel.SOFT, admitted_in_flight=1))
-    assert d.verdict is Verdict.WAIT and d.binding == BINDING_PAUSED_AT_SOFT
-    assert d.retry_after_s == RETRY_AFTER_WAIT_S and not d.needs_relief
-    assert d.error_reason == "MEMORY_PRESSURE"
+def test_paused_at_soft_even_with_nothing_admitted():
+    # Seed 000: at soft the enforcer pauses new admissions; nothing passes the pause.
+    for in_flight in (0, 1):
+        d = decide(ladder_inputs(usage_bytes=GiB, level=PressureLevel.SOFT,
+                                 admitted_in_flight=in_flight))
+        assert d.verdict is Verdict.WAIT and d.binding == BINDING_PAUSED_AT_SOFT
+        assert d.retry_after_s == RETRY_AFTER_WAIT_S and not d.needs_relief
+        # Generate waits in the queue: if it never starts, its admission times out.
+        assert d.error_reason == "ADMISSION_TIMEOUT"
     d = decide(ladder_inputs(usage_bytes=GiB, level=PressureLevel.HARD, admitted_in_flight=2))
     assert d.binding == BINDING_PAUSED_AT_HARD
     d = decide(ladder_inputs(usage_bytes=GiB, level=PressureLevel.EMERGENCY,
@@ -116,16 +118,10 @@ def test_paused_at_soft_but_first_request_passes():
     assert d.binding == BINDING_PAUSED_AT_EMERGENCY
 
 
-def test_first_request_at_soft_still_goes_through_the_memory_cascade():
-    d = decide(ladder_inputs(level=PressureLevel.SOFT, ceiling_bytes=9 * GiB,
-                             prompt_tokens=30 + 5120))
-    assert d.verdict is Verdict.ADMIT and d.binding is None and d.needs_relief
-
-
-def test_queue_full_rejects_instead_of_waiting():
+def test_queue_full_is_a_wait_that_generate_answers_at_once():
     d = decide(ladder_inputs(level=PressureLevel.SOFT, admitted_in_flight=1, queue_depth=4,
                              queue_limit=4))
-    assert d.verdict is Verdict.REJECT and d.binding == BINDING_QUEUE_FULL
+    assert d.verdict is Verdict.WAIT and d.binding == BINDING_QUEUE_FULL
     assert d.error_reason == "QUEUE_FULL" and d.retry_after_s == RETRY_AFTER_WAIT_S
     assert not d.needs_relief
 
@@ -135,7 +131,7 @@ def test_hyper_mode_admits_exactly_one():
     assert decide(i).verdict is Verdict.ADMIT
     d = decide(replace(i, admitted_in_flight=1))
     assert d.verdict is Verdict.WAIT and d.binding == BINDING_HYPER_CAP
-    assert d.error_reason == "QUEUE_FULL"
+    assert d.error_reason == "ADMISSION_TIMEOUT"
 
 
 def test_admission_cap_in_default_mode():
@@ -164,7 +160,7 @@ def test_the_floor_check_comes_before_the_gate():
 def test_gate_function():
     ok, soft, hard = PressureLevel.OK, PressureLevel.SOFT, PressureLevel.HARD
     assert gate(ok, 5) is None
-    assert gate(soft, 0) is None  # the first request passes
+    assert gate(soft, 0) == (Verdict.WAIT, BINDING_PAUSED_AT_SOFT)  # nothing passes a pause
     assert gate(soft, 1) == (Verdict.WAIT, BINDING_PAUSED_AT_SOFT)
     assert gate(hard, 1) == (Verdict.WAIT, BINDING_PAUSED_AT_HARD)
     assert gate(ok, 3, admission_cap=3) == (Verdict.WAIT, BINDING_ADMISSION_CAP)
@@ -172,5 +168,5 @@ def test_gate_function():
     assert gate(ok, 1, mode=SchedulerMode.HYPER, admission_cap=8) == (
         Verdict.WAIT, BINDING_HYPER_CAP)
     assert gate(ok, 1, mode=SchedulerMode.HYPER, queue_depth=2, queue_limit=2) == (
-        Verdict.REJECT, BINDING_QUEUE_FULL)
+        Verdict.WAIT, BINDING_QUEUE_FULL)
     assert gate(ok, 1, queue_depth=99, queue_limit=2) is None  # open gate: no queue check

@@ -224,8 +224,8 @@ def test_still_over_the_ceiling_refuses_naming_what_was_tried_and_the_shortfall(
     assert refusal.numbers["usage_bytes"] == gib(15.25)
     assert refusal.numbers["projected_after_shed_bytes"] == gib(19.25)
     assert refusal.numbers["projected_bytes"] == gib(22)
-    assert refusal.numbers["ceiling_bytes"] == CEILING
-    assert refusal.numbers["threshold_bytes"] == THRESHOLD
+    assert refusal.numbers["admission_limit_bytes"] == CEILING
+    assert refusal.numbers["shed_line_bytes"] == THRESHOLD
     assert "0.25 GiB" in refusal.message and "prefill_admission_chain" in refusal.message
     r = d.result
     assert r.verdict is Verdict.REJECT and r.refusal == refusal and not r.admitted
@@ -394,24 +394,26 @@ def test_hyper_mode_admits_exactly_one():
     assert d.result.verdict is Verdict.ADMIT
 
 
-def test_paused_at_soft_with_one_in_flight_waits_and_sheds_nothing():
-    d = drive(admission_plan(REQUEST, CONFIG, AdmissionSettings(), PressureLevel.SOFT),
-              [snap(18, 6, pool=1, queue=QueueView(in_flight=1))])
-    assert d.steps == [MEASURE]
-    assert d.result.verdict is Verdict.WAIT and d.result.binding == BINDING_PAUSED_AT_SOFT
-    assert d.result.level is PressureLevel.SOFT
-    # ... the first request, with nothing in flight, passes the pause into the cascade.
-    d = drive(admission_plan(REQUEST, CONFIG, AdmissionSettings(), PressureLevel.SOFT),
+def test_paused_at_soft_waits_and_sheds_nothing_whatever_is_in_flight():
+    for in_flight in (0, 1):
+        d = drive(admission_plan(REQUEST, CONFIG, AdmissionSettings(), PressureLevel.SOFT),
+                  [snap(18, 6, pool=1, queue=QueueView(in_flight=in_flight))])
+        assert d.steps == [MEASURE]
+        assert d.result.verdict is Verdict.WAIT and d.result.binding == BINDING_PAUSED_AT_SOFT
+        assert d.result.level is PressureLevel.SOFT
+    # A Generate that passed the queue (its slot held) goes through the cascade.
+    d = drive(admission_plan(replace(REQUEST, holds_slot=True), CONFIG, AdmissionSettings(),
+                             PressureLevel.SOFT),
               [snap(18, 6, pool=1, queue=QueueView(in_flight=0)), snap(17, 6)],
               World(shrinks=[(0, 0), (0, 0)]), repeat_last=True)
     assert d.steps[1] == Execute(reclaims())
 
 
-def test_queue_full_rejects():
+def test_queue_full_waits_and_generate_is_refused_at_once():
     d = drive(admission_plan(REQUEST, CONFIG, AdmissionSettings(), PressureLevel.SOFT),
               [snap(10, 0, queue=QueueView(in_flight=1, waiting=32, limit=32))])
     assert d.steps == [MEASURE]
-    assert d.result.verdict is Verdict.REJECT and d.result.binding == BINDING_QUEUE_FULL
+    assert d.result.verdict is Verdict.WAIT and d.result.binding == BINDING_QUEUE_FULL
     assert d.result.error_reason == "QUEUE_FULL"
 
 
@@ -551,5 +553,5 @@ async def test_governor_admit_refuses_a_hopeless_request_and_keeps_the_bank():
     assert bank.entry_count() == 4 and evicted == []
     (span,) = rec.spans(names.SPAN_ADMISSION_REFUSAL)
     assert span.attributes[names.ATTR_BINDING] == BINDING_CEILING
-    assert span.attributes[names.ATTR_CEILING] == CEILING
+    assert span.attributes[names.ATTR_ADMISSION_LIMIT] == CEILING
     assert span.attributes[names.ATTR_PROJECTED] == 23 * GiB

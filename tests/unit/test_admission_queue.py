@@ -76,24 +76,28 @@ async def test_waiting_times_out_with_a_typed_outcome():
     assert q.in_flight == 0
 
 
-async def test_paused_at_soft_first_request_passes_then_resume_on_ok():
+async def test_paused_at_soft_nothing_passes_until_resume_on_ok():
+    # Seed 000: at soft new admissions pause, even with nothing admitted.
     q = AdmissionQueue(level=PressureLevel.SOFT)
-    first = await q.acquire(1.0)
-    assert first.admitted  # nothing admitted: the first always passes
     assert q.blocked_by() == BINDING_PAUSED_AT_SOFT
+    first = asyncio.create_task(q.acquire(5.0))
     second = asyncio.create_task(q.acquire(5.0))
     await asyncio.sleep(0.01)
-    assert not second.done()
-    q.set_paused(None)  # the governor resumes admission
-    assert (await second).admitted and q.in_flight == 2
+    assert not first.done() and not second.done() and q.waiting == 2
+    q.set_paused(None)  # the governor resumes admission: FIFO order
+    assert (await first).admitted and (await second).admitted and q.in_flight == 2
 
 
-async def test_paused_waiter_admitted_when_in_flight_drains_to_zero():
-    q = AdmissionQueue(level=PressureLevel.SOFT)
+async def test_a_paused_waiter_is_admitted_on_resume_not_on_release():
+    q = AdmissionQueue()
     first = await q.acquire()
+    q.set_paused(PressureLevel.SOFT)
     second = asyncio.create_task(q.acquire(5.0))
     await asyncio.sleep(0.01)
     first.slot.release()
+    await asyncio.sleep(0.01)
+    assert not second.done()
+    q.set_paused(None)
     assert (await second).admitted
 
 
@@ -135,11 +139,9 @@ async def test_set_paused_pauses_at_a_level_and_view_reports_the_gate():
 
 async def test_pause_while_a_waiter_times_out_reports_the_pause():
     q = AdmissionQueue(level=PressureLevel.SOFT)
-    first = await q.acquire()
     r = await q.acquire(0.02)
     assert r.outcome is QueueOutcome.TIMEOUT and r.binding == BINDING_PAUSED_AT_SOFT
     assert r.retry_after_s == RETRY_AFTER_WAIT_S
-    first.slot.release()
 
 
 # -- scheduler settings ---------------------------------------------------------------------
@@ -176,3 +178,13 @@ def test_default_mode_settings_and_bad_values():
         validate_scheduler_settings("default", 0)
     with pytest.raises(ValueError, match="--queue-limit"):
         validate_scheduler_settings("default", 1, queue_limit=-1)
+
+
+async def test_close_sends_every_waiter_away_and_admits_nothing_more():
+    q = AdmissionQueue(level=PressureLevel.SOFT)
+    waiting = [asyncio.create_task(q.acquire(5.0)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    q.close()
+    assert [(await w).outcome for w in waiting] == [QueueOutcome.CLOSED] * 2
+    assert q.waiting == 0
+    assert (await q.acquire(5.0)).outcome is QueueOutcome.CLOSED

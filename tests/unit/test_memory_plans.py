@@ -35,7 +35,7 @@ from memory.ceiling import compute_limits
 from memory.config import MemoryConfig
 from memory.levels import GIB, MIB, PressureLevel, Tier
 from memory.plans.eviction import freeable_bytes, idle_victims
-from memory.plans.load import ERROR_LOAD_EXCEEDS_CEILING, LoadResult, load_plan
+from memory.plans.load import ERROR_LOAD_EXCEEDS_SOFT, LoadResult, load_plan
 from memory.plans.os_guard import GuardState, OsPressure
 from memory.plans.steps import Execute, Measure, Snapshot
 from memory.plans.tick import PolicyState, ReliefMemo, assess, plan_relief, tick_plan
@@ -113,19 +113,19 @@ def test_load_never_evicts_the_model_being_loaded_and_takes_pending_unloads_firs
 
 
 def test_a_hopeless_load_evicts_nothing_and_is_refused_with_the_numbers():
-    # Every idle model (a 1 + b 2 + c 4 = 7 GiB) would leave 14 - 7 + 14 = 21 > 20.
+    # Every idle model (a 1 + b 2 + c 4 = 7 GiB) would leave 14 - 7 + 14 = 21 > 17 (soft).
     driven = drive(load_plan("big", g(14), CFG), snap(14, *ENGINES))
     assert driven.executed_of(EvictModel) == []
     (refusal,) = driven.executed
     assert isinstance(refusal, Refuse) and driven.result == LoadResult(refusal=refusal)
     assert (refusal.binding, refusal.error_reason, refusal.tried) == (
-        "ceiling", ERROR_LOAD_EXCEEDS_CEILING, ())
+        "soft", ERROR_LOAD_EXCEEDS_SOFT, ())
     assert refusal.numbers == {"estimated_bytes": g(14), "usage_bytes": g(14),
                                "ceiling_bytes": g(20), "soft_bytes": g(17),
                                "freeable_bytes": g(7)}
-    assert "even after evicting idle models" in refusal.message
-    # One byte less and it could fit: then it evicts everything it may.
-    fits = drive(load_plan("big", g(13), CFG), snap(14, *ENGINES), snap(7, *ENGINES))
+    assert "even after evicting every idle model" in refusal.message
+    # At 10 GiB it just fits under soft (14 - 7 + 10 = 17): then it evicts everything it may.
+    fits = drive(load_plan("big", g(10), CFG), snap(14, *ENGINES), snap(7, *ENGINES))
     assert evictions(fits) == ["a", "b", "c"] and fits.result.refusal is None
 
 
@@ -340,8 +340,12 @@ async def test_after_a_done_eviction_samples_taken_before_it_are_ignored():
     c = FakeEngine("c", pinned=True, sample=early)  # its fresh_sample answers the same
     b = FakeEngine("b", last_used=2, measured_bytes=GIB)
     w = make_world(CFG, readings(14), [b, c])
-    w.pool.on_unload = lambda model: w.clock.advance(1.0)  # the unload ends at 1001.0
-    result = await w.governor.make_room_for_load("new", g(5))
+    def unload(model: str) -> None:
+        w.clock.advance(1.0)  # the unload ends at 1001.0
+        w.reader.current = readings(13)  # and frees b's 1 GiB
+
+    w.pool.on_unload = unload
+    result = await w.governor.make_room_for_load("new", g(4))  # 14 + 4 > 17; 13 + 4 fits
     assert result == LoadResult(evicted=("b",))
     # Before the load: the 0.3 s-ahead sample; after the eviction, only samples taken
     # after it count, and the engine has none: MLX figures are unavailable.

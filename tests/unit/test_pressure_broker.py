@@ -1,8 +1,10 @@
-"""WatchPressure fan-out: snapshot first, gapless sequences, coalesced samples, overflow."""
+"""WatchPressure fan-out: snapshot first, per-process sequences, coalesced samples,
+overflow, and the replay a re-subscriber asks for."""
 
 import asyncio
 
 from plimsoll.v1 import control_pb2
+from service.convert import ACTION_KINDS
 from service.pressure_broker import PressureBroker
 
 
@@ -29,12 +31,22 @@ async def test_snapshot_first_then_transitions_in_order():
     broker = PressureBroker()
     sub = broker.subscribe(snapshot(), include_samples=False, include_actions=False)
     broker.publish("transition", transition(1, 2))
-    broker.publish("sample", sample(2))  # not asked for
+    broker.publish("sample", sample(2))  # not asked for: a gap in this subscriber's numbers
     broker.publish("transition", transition(2, 3))
     msgs = await drain(sub)
     assert [m.WhichOneof("event") for m in msgs] == ["snapshot", "transition", "transition"]
-    assert [m.sequence for m in msgs] == [1, 2, 3]
+    assert [m.sequence for m in msgs] == [0, 1, 3]  # the snapshot reflects event 0
     assert msgs[2].transition.to_level == 3
+
+
+async def test_sequences_are_per_process_not_per_subscriber():
+    broker = PressureBroker()
+    early = broker.subscribe(snapshot(), include_samples=False, include_actions=False)
+    broker.publish("transition", transition(1, 2))
+    late = broker.subscribe(snapshot(2), include_samples=False, include_actions=False)
+    broker.publish("transition", transition(2, 1))
+    assert [m.sequence for m in await drain(early)] == [0, 1, 2]
+    assert [m.sequence for m in await drain(late)] == [1, 2]  # snapshot at 1, then 2
 
 
 async def test_samples_coalesce_but_transitions_do_not():
@@ -49,7 +61,7 @@ async def test_samples_coalesce_but_transitions_do_not():
     kinds = [m.WhichOneof("event") for m in msgs]
     assert kinds == ["snapshot", "sample", "transition", "sample"]
     assert msgs[1].sample.level == 2  # the newest of the first three
-    assert [m.sequence for m in msgs] == [1, 2, 3, 4]
+    assert [m.sequence for m in msgs] == [0, 3, 4, 6]
 
 
 async def test_overflow_ends_the_stream_instead_of_dropping():
@@ -62,7 +74,7 @@ async def test_overflow_ends_the_stream_instead_of_dropping():
     assert slow.overflowed
     got = [await slow.next() for _ in range(len(slow.queue))]
     assert await slow.next() is None  # the servicer then ends it with RESOURCE_EXHAUSTED
-    assert [m.sequence for m in got] == [1, 2, 3, 4]
+    assert [m.sequence for m in got] == [0, 1, 2, 3]
     assert not fast.overflowed
 
 
@@ -72,6 +84,49 @@ async def test_a_waiting_subscriber_wakes_on_publish():
     await sub.next()
     waiter = asyncio.ensure_future(sub.next())
     await asyncio.sleep(0)
-    broker.publish("action", control_pb2.EnforcerAction(kind="evict_model", model="m"))
+    broker.publish("action", control_pb2.EnforcerAction(kind=ACTION_KINDS["evict_model"],
+                                                        model_id="m"))
     msg = await asyncio.wait_for(waiter, 1)
-    assert msg.action.model == "m" and msg.sequence == 2
+    assert msg.action.model_id == "m" and msg.sequence == 1
+
+
+async def test_a_re_subscriber_gets_what_it_missed_replayed_before_its_snapshot():
+    broker = PressureBroker()
+    first = broker.subscribe(snapshot(), include_samples=False, include_actions=True)
+    broker.publish("transition", transition(1, 2))
+    seen = (await drain(first))[-1].sequence
+    broker.unsubscribe(first)
+    broker.publish("action", control_pb2.EnforcerAction(kind=ACTION_KINDS["evict_model"]))
+    broker.publish("sample", sample(2))  # samples are not retained
+    broker.publish("transition", transition(2, 1))
+    again = broker.subscribe(snapshot(1), include_samples=False, include_actions=True,
+                             resume_after=seen)
+    msgs = await drain(again)
+    assert [(m.WhichOneof("event"), m.sequence, m.replayed) for m in msgs] == [
+        ("action", 2, True), ("transition", 4, True), ("snapshot", 4, False)]
+    assert not msgs[-1].snapshot.replay_incomplete
+    # Without actions asked for, only the transition is replayed.
+    quiet = broker.subscribe(snapshot(1), include_samples=False, include_actions=False,
+                             resume_after=seen)
+    assert [m.sequence for m in await drain(quiet)] == [4, 4]
+
+
+async def test_a_replay_says_when_the_ring_forgot_events():
+    broker = PressureBroker(retained=2)
+    for _ in range(5):
+        broker.publish("transition", transition(1, 2))
+    sub = broker.subscribe(snapshot(), include_samples=False, include_actions=False,
+                           resume_after=1)
+    msgs = await drain(sub)
+    assert [m.sequence for m in msgs] == [4, 5, 5]
+    assert msgs[-1].snapshot.replay_incomplete
+    fresh = broker.subscribe(snapshot(), include_samples=False, include_actions=False,
+                             resume_after=3)
+    assert not (await drain(fresh))[-1].snapshot.replay_incomplete
+
+
+def test_every_recorded_event_kind_has_a_wire_kind():
+    from memory.recording import TABLE
+
+    kinds = {e.event for e in TABLE.values() if e.event is not None}
+    assert kinds == set(ACTION_KINDS)

@@ -6,7 +6,7 @@ import pytest
 
 from sessions.activity import ActiveSessions
 from sessions.leases import Lease, Leases
-from sessions.reservations import DEFAULT_RESERVATION_TTL_S, ReservationBook
+from sessions.reservations import DEFAULT_RESERVATION_TTL_S, ReservationBook, request_digest
 from sessions.ttl import Held, TtlMap
 from tests.support.clock import FakeClock
 
@@ -137,11 +137,15 @@ def test_active_sessions_unite_in_flight_and_pinned():
 # -- ReservationBook ----------------------------------------------------------------------
 
 
+def _reserve(book, nbytes, model, ttl_s=None, digest="d", client_request_id=""):
+    return book.reserve(nbytes, model, digest, ttl_s, client_request_id).reservation
+
+
 def test_reservations_count_against_others_and_expire():
     clock = FakeClock(0.0)
     book = ReservationBook(clock, id_factory=counter_ids("t"))
-    r1 = book.reserve(1000, "m")  # default TTL 30 s
-    r2 = book.reserve(300, "m2", ttl_s=10)
+    r1 = _reserve(book, 1000, "m")  # default TTL 30 s
+    r2 = _reserve(book, 300, "m2", ttl_s=10)
     assert DEFAULT_RESERVATION_TTL_S == 30.0
     assert (r1.ticket, r1.expires_at, r2.expires_at) == ("t1", 30.0, 10.0)
     assert book.reserved_bytes() == 1300
@@ -152,24 +156,56 @@ def test_reservations_count_against_others_and_expire():
     assert len(book) == 1  # ... nor listed, before anyone calls expire()
     assert [r.ticket for r in book.expire()] == ["t2"] and len(book) == 1
     assert book.redeem("t1") == r1 and book.redeem("t1") is None  # single use
-    r3 = book.reserve(5, "m", ttl_s=1)
+    r3 = _reserve(book, 5, "m", ttl_s=1)
     clock.set(11.0)
     assert book.redeem(r3.ticket) is None and len(book) == 0  # expired at redeem
     with pytest.raises(ValueError):
-        book.reserve(-1, "m")
+        _reserve(book, -1, "m")
 
 
 def test_reservation_ttl_zero_means_default_and_negative_is_rejected():
     clock = FakeClock(0.0)
     book = ReservationBook(clock, default_ttl_s=7.0, id_factory=counter_ids("t"))
-    assert book.reserve(1, "m", ttl_s=0).expires_at == 7.0
+    assert _reserve(book, 1, "m", ttl_s=0).expires_at == 7.0
     with pytest.raises(ValueError, match="ttl_s must be > 0"):
-        book.reserve(1, "m", ttl_s=-1)
+        _reserve(book, 1, "m", ttl_s=-1)
     with pytest.raises(ValueError):
-        ReservationBook(clock, default_ttl_s=0).reserve(1, "m")
+        ReservationBook(clock, default_ttl_s=0)
 
 
 def test_redeem_releases_the_bytes():
     book = ReservationBook(FakeClock(0.0), id_factory=counter_ids("t"))
-    r = book.reserve(50, "m")
+    r = _reserve(book, 50, "m")
     assert book.redeem(r.ticket) == r and book.reserved_bytes() == 0 and len(book) == 0
+
+
+def test_reservation_ttl_is_clamped_to_the_maximum():
+    clock = FakeClock(0.0)
+    book = ReservationBook(clock, default_ttl_s=30.0, max_ttl_s=300.0,
+                           id_factory=counter_ids("t"))
+    ten_years = 10 * 365 * 86400.0
+    grant = book.reserve(1, "m", "d", ten_years)
+    assert grant.clamped and grant.reservation.expires_at == 300.0
+    assert not book.reserve(1, "m", "d", 300.0).clamped
+    with pytest.raises(ValueError):
+        ReservationBook(clock, default_ttl_s=60.0, max_ttl_s=30.0)
+
+
+def test_a_retry_with_the_same_client_request_id_returns_the_same_ticket():
+    clock = FakeClock(0.0)
+    book = ReservationBook(clock, id_factory=counter_ids("t"))
+    first = book.reserve(100, "m", "d1", client_request_id="c1")
+    again = book.reserve(100, "m", "d1", client_request_id="c1")
+    assert again.repeated and again.reservation == first.reservation
+    assert book.reserved_bytes() == 100 and len(book) == 1
+    other = book.reserve(100, "m", "d2", client_request_id="c1")  # another request
+    assert not other.repeated and book.reserved_bytes() == 200
+    clock.set(31.0)  # both expired: the id may be used afresh
+    assert not book.reserve(100, "m", "d1", client_request_id="c1").repeated
+
+
+def test_request_digest_binds_model_prompt_and_budget():
+    d = request_digest("m", [1, 2, 3], 16)
+    assert d == request_digest("m", [1, 2, 3], 16)
+    assert len({d, request_digest("m2", [1, 2, 3], 16), request_digest("m", [1, 2], 16),
+                request_digest("m", [1, 2, 3], 17)}) == 4

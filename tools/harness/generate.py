@@ -171,7 +171,7 @@ class GrpcSide:
                     )
             elif kind == "end":
                 completion = msg.end.usage.completion_tokens
-                server_ttft = msg.end.timings.time_to_first_token_seconds
+                server_ttft = msg.end.timings.time_to_first_token.ToNanoseconds() / 1e9
         done = time.perf_counter()
         if completion != streamed:
             raise RuntimeError(f"usage says {completion} tokens, {streamed} were streamed")

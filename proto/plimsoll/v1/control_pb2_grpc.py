@@ -27,6 +27,12 @@ if _version_not_supported:
 
 class ControlServiceStub:
     """Memory, models, sessions and admission: what operators and dashboards use.
+
+    Every error carries google.rpc.ErrorInfo (domain "plimsoll.dev") with a
+    reason; docs/errors.md lists each code and reason, when it happens and what
+    a client should do. Common to all: INVALID_ARGUMENT (INVALID_FIELD, with
+    BadRequest naming every violating field by its path), UNAVAILABLE
+    (DRAINING, MEMORY_NOT_MEASURED; with RetryInfo).
     """
 
     def __init__(self, channel):
@@ -89,47 +95,65 @@ class ControlServiceStub:
 
 class ControlServiceServicer:
     """Memory, models, sessions and admission: what operators and dashboards use.
+
+    Every error carries google.rpc.ErrorInfo (domain "plimsoll.dev") with a
+    reason; docs/errors.md lists each code and reason, when it happens and what
+    a client should do. Common to all: INVALID_ARGUMENT (INVALID_FIELD, with
+    BadRequest naming every violating field by its path), UNAVAILABLE
+    (DRAINING, MEMORY_NOT_MEASURED; with RetryInfo).
     """
 
     def Admit(self, request, context):
-        """The admission decision for a prospective request, without running it.
-        Generate runs the same code. Optionally reserves memory with a ticket.
+        """The admission decision Generate would make for this request at this
+        instant, without running it: the same gate, queue and shedding ladder.
+        Optionally reserves the request's own projected bytes with a ticket that
+        Generate redeems. Errors: those of Generate's validation (field paths
+        prefixed with "request."), NOT_FOUND (MODEL_NOT_FOUND, TICKET_NOT_FOUND),
+        FAILED_PRECONDITION (MODEL_NOT_LOADED, TICKET_MISMATCH), UNAVAILABLE
+        (MODEL_LOADING, MODEL_UNLOADING, MEMORY_NOT_MEASURED). A verdict other
+        than ADMIT is an answer, not an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Pin(self, request, context):
-        """Takes a lease that keeps a model loaded or a session's cache resident.
+        """Takes a lease that keeps a loaded model loaded or a session's cache
+        resident. Errors: NOT_FOUND (MODEL_NOT_FOUND: only LoadModel loads
+        something new). Pinning a known, unloaded model loads it again from its
+        source, so it may also fail like LoadModel (LOAD_EXCEEDS_SOFT,
+        LOAD_FAILED, SOURCE_UNAVAILABLE).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Unpin(self, request, context):
-        """Releases a lease taken by Pin.
+        """Releases a lease taken by Pin. Errors: NOT_FOUND (LEASE_NOT_FOUND).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def WatchPressure(self, request, context):
-        """Streams a snapshot, then every pressure-level transition; optionally
-        every tick's sample and every enforcer action.
+        """Streams the pressure events: a snapshot, then every pressure-level
+        transition; optionally every tick's sample and every enforcer action.
+        Errors: RESOURCE_EXHAUSTED (SUBSCRIBER_OVERFLOW: re-subscribe, with
+        resume_after_sequence to replay what was missed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetMemoryStatus(self, request, context):
-        """The current readings, ceiling, marks, level, models and pins.
+        """The current readings, ceiling, marks, level, admission, models and pins.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListModels(self, request, context):
-        """The models the server knows and their state.
+        """The models the server knows and their state, a page at a time.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -137,27 +161,36 @@ class ControlServiceServicer:
 
     def LoadModel(self, request, context):
         """Loads a model from a local folder or a Hugging Face repository id.
+        Errors: INVALID_ARGUMENT (source), ALREADY_EXISTS (MODEL_ID_IN_USE),
+        NOT_FOUND (SOURCE_NOT_FOUND), RESOURCE_EXHAUSTED (LOAD_EXCEEDS_SOFT: it
+        would not fit under the soft mark even after evicting idle models; models
+        loaded moments ago are spared for their warm-up), FAILED_PRECONDITION
+        (LOAD_FAILED: the source is not a loadable model), UNAVAILABLE
+        (SOURCE_UNAVAILABLE, MODEL_UNLOADING, DRAINING), ABORTED (LOAD_ABORTED).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UnloadModel(self, request, context):
-        """Unloads a model and frees its memory.
+        """Unloads a model and frees its memory. Errors: NOT_FOUND
+        (MODEL_NOT_FOUND), FAILED_PRECONDITION (MODEL_PINNED, MODEL_BUSY without
+        force; MODEL_NOT_LOADED), UNAVAILABLE (MODEL_LOADING, MODEL_UNLOADING).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListSessions(self, request, context):
-        """The cached sessions and their entries.
+        """The cached sessions and their entries, a page at a time.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DropSession(self, request, context):
-        """Drops every cached entry of a session.
+        """Drops every cached entry of a session. Errors: NOT_FOUND
+        (SESSION_NOT_FOUND).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -226,6 +259,12 @@ def add_ControlServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ControlService:
     """Memory, models, sessions and admission: what operators and dashboards use.
+
+    Every error carries google.rpc.ErrorInfo (domain "plimsoll.dev") with a
+    reason; docs/errors.md lists each code and reason, when it happens and what
+    a client should do. Common to all: INVALID_ARGUMENT (INVALID_FIELD, with
+    BadRequest naming every violating field by its path), UNAVAILABLE
+    (DRAINING, MEMORY_NOT_MEASURED; with RetryInfo).
     """
 
     @staticmethod

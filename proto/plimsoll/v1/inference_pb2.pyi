@@ -1,3 +1,6 @@
+import datetime
+
+from google.protobuf import duration_pb2 as _duration_pb2
 from plimsoll.v1 import types_pb2 as _types_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -13,9 +16,11 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORTED: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORTED: FinishReason
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -54,8 +59,8 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "text", "token_ids", "chat", "sampling", "max_tokens", "stop", "ignore_eos", "session_id", "admission_ticket", "max_tokens_per_chunk")
-    MODEL_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("model_id", "text", "token_ids", "chat", "sampling", "max_tokens", "stop", "ignore_eos", "session_id", "admission_ticket", "max_tokens_per_chunk")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -66,7 +71,7 @@ class GenerateRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_TICKET_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
-    model: str
+    model_id: str
     text: str
     token_ids: TokenIds
     chat: ChatMessages
@@ -77,21 +82,21 @@ class GenerateRequest(_message.Message):
     session_id: str
     admission_ticket: str
     max_tokens_per_chunk: int
-    def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., session_id: _Optional[str] = ..., admission_ticket: _Optional[str] = ..., max_tokens_per_chunk: _Optional[int] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., session_id: _Optional[str] = ..., admission_ticket: _Optional[str] = ..., max_tokens_per_chunk: _Optional[int] = ...) -> None: ...
 
 class GenerateStart(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_tokens", "cached_tokens", "pressure_level")
+    __slots__ = ("request_id", "model_id", "prompt_tokens", "cached_tokens", "pressure_level")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRESSURE_LEVEL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    model: str
+    model_id: str
     prompt_tokens: int
     cached_tokens: int
     pressure_level: _types_pb2.PressureLevel
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., pressure_level: _Optional[_Union[_types_pb2.PressureLevel, str]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., pressure_level: _Optional[_Union[_types_pb2.PressureLevel, str]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "text")
@@ -112,26 +117,28 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_seconds", "time_to_first_token_seconds", "decode_seconds", "tokens_per_second")
-    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("tokens_per_second", "queue_duration", "time_to_first_token", "decode_duration")
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
-    queue_seconds: float
-    time_to_first_token_seconds: float
-    decode_seconds: float
+    QUEUE_DURATION_FIELD_NUMBER: _ClassVar[int]
+    TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DECODE_DURATION_FIELD_NUMBER: _ClassVar[int]
     tokens_per_second: float
-    def __init__(self, queue_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+    queue_duration: _duration_pb2.Duration
+    time_to_first_token: _duration_pb2.Duration
+    decode_duration: _duration_pb2.Duration
+    def __init__(self, tokens_per_second: _Optional[float] = ..., queue_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., time_to_first_token: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., decode_duration: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class GenerateEnd(_message.Message):
-    __slots__ = ("finish_reason", "usage", "timings")
+    __slots__ = ("finish_reason", "usage", "timings", "matched_stop")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_STOP_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    matched_stop: str
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., matched_stop: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("start", "chunk", "end")

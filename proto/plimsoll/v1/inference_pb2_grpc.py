@@ -48,11 +48,24 @@ class InferenceServiceServicer:
 
     def Generate(self, request, context):
         """Streams the generation of one request: a start message, then chunks of
-        tokens, then a final message. Errors end the stream with a gRPC status:
-        INVALID_ARGUMENT or OUT_OF_RANGE naming the field, NOT_FOUND for an
-        unknown model or session, RESOURCE_EXHAUSTED for shed work (with
-        google.rpc.ErrorInfo and RetryInfo), ABORTED when the memory enforcer
-        ended the request, UNAVAILABLE while draining or loading.
+        tokens, then an end message. Once the start message is sent the end
+        message is always sent, however the stream ends, with the usage so far;
+        a stream that did not complete then ends with a non-OK status.
+
+        Every error carries google.rpc.ErrorInfo (domain "plimsoll.dev"); see
+        docs/errors.md for every code and reason:
+        INVALID_ARGUMENT (INVALID_FIELD) / OUT_OF_RANGE (FIELD_OUT_OF_RANGE),
+        with BadRequest listing every violation by field path;
+        NOT_FOUND: MODEL_NOT_FOUND, TICKET_NOT_FOUND (with ResourceInfo);
+        FAILED_PRECONDITION: MODEL_NOT_LOADED, TICKET_MISMATCH;
+        UNAVAILABLE (with RetryInfo): MODEL_LOADING, MODEL_UNLOADING, DRAINING,
+        MEMORY_NOT_MEASURED;
+        RESOURCE_EXHAUSTED (shed before prefill, with RetryInfo):
+        MEMORY_PRESSURE, RESERVATIONS_HELD, PREFILL_EXCEEDS_CEILING,
+        QUEUE_FULL, IN_FLIGHT_LIMIT, ADMISSION_TIMEOUT;
+        ABORTED (after the start message, with RetryInfo): ENFORCER_ABORT,
+        PREFILL_ABORT, MODEL_UNLOADED;
+        INTERNAL: ENGINE_ERROR.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

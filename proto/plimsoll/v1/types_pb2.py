@@ -24,25 +24,32 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17plimsoll/v1/types.proto\x12\x0bplimsoll.v1\"\x88\x03\n\x0eMemoryReadings\x12\x15\n\rprocess_bytes\x18\x01 \x01(\x04\x12\x18\n\x10mlx_active_bytes\x18\x02 \x01(\x04\x12\x16\n\x0emlx_pool_bytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x66ootprint_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12system_total_bytes\x18\x05 \x01(\x04\x12\x1e\n\x16system_available_bytes\x18\x06 \x01(\x04\x12\x1d\n\x15\x63ontainer_limit_bytes\x18\x07 \x01(\x04\x12\x1d\n\x15\x63ontainer_usage_bytes\x18\x08 \x01(\x04\x12\x1a\n\x12\x64\x65vice_limit_bytes\x18\t \x01(\x04\x12\x13\n\x0bos_pressure\x18\n \x01(\t\x12\x39\n\x07sources\x18\x0b \x03(\x0b\x32(.plimsoll.v1.MemoryReadings.SourcesEntry\x1a.\n\x0cSourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xed\x01\n\x0cMemoryLimits\x12\x15\n\rceiling_bytes\x18\x01 \x01(\x04\x12\x12\n\nsoft_bytes\x18\x02 \x01(\x04\x12\x12\n\nhard_bytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x62ort_cap_bytes\x18\x04 \x01(\x04\x12\x14\n\x0c\x62inding_term\x18\x05 \x01(\t\x12\x33\n\x05terms\x18\x06 \x03(\x0b\x32$.plimsoll.v1.MemoryLimits.TermsEntry\x12\x0c\n\x04tier\x18\x07 \x01(\t\x1a,\n\nTermsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*\x96\x01\n\rPressureLevel\x12\x1e\n\x1aPRESSURE_LEVEL_UNSPECIFIED\x10\x00\x12\x15\n\x11PRESSURE_LEVEL_OK\x10\x01\x12\x17\n\x13PRESSURE_LEVEL_SOFT\x10\x02\x12\x17\n\x13PRESSURE_LEVEL_HARD\x10\x03\x12\x1c\n\x18PRESSURE_LEVEL_EMERGENCY\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17plimsoll/v1/types.proto\x12\x0bplimsoll.v1\"\xb9\x03\n\x0eMemoryReadings\x12\x15\n\rprocess_bytes\x18\x01 \x01(\x04\x12\x18\n\x10mlx_active_bytes\x18\x02 \x01(\x04\x12\x16\n\x0emlx_pool_bytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x66ootprint_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12system_total_bytes\x18\x05 \x01(\x04\x12\x1e\n\x16system_available_bytes\x18\x06 \x01(\x04\x12\x1d\n\x15\x63ontainer_limit_bytes\x18\x07 \x01(\x04\x12\x1d\n\x15\x63ontainer_usage_bytes\x18\x08 \x01(\x04\x12\x1a\n\x12\x64\x65vice_limit_bytes\x18\t \x01(\x04\x12\x39\n\x07sources\x18\x0b \x03(\x0b\x32(.plimsoll.v1.MemoryReadings.SourcesEntry\x12,\n\x0bos_pressure\x18\x0c \x01(\x0e\x32\x17.plimsoll.v1.OsPressure\x1a.\n\x0cSourcesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\n\x10\x0bR\x10os_pressure_text\"I\n\x10\x43\x65ilingTermBytes\x12&\n\x04term\x18\x01 \x01(\x0e\x32\x18.plimsoll.v1.CeilingTerm\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\xe8\x02\n\x0cMemoryLimits\x12\x15\n\rceiling_bytes\x18\x01 \x01(\x04\x12\x12\n\nsoft_bytes\x18\x02 \x01(\x04\x12\x12\n\nhard_bytes\x18\x03 \x01(\x04\x12\x17\n\x0f\x61\x62ort_cap_bytes\x18\x04 \x01(\x04\x12.\n\x0c\x62inding_term\x18\x08 \x01(\x0e\x32\x18.plimsoll.v1.CeilingTerm\x12,\n\x05terms\x18\t \x03(\x0b\x32\x1d.plimsoll.v1.CeilingTermBytes\x12*\n\x04tier\x18\n \x01(\x0e\x32\x1c.plimsoll.v1.MemoryGuardTier\x12\x1d\n\x15\x61\x64mission_limit_bytes\x18\x0b \x01(\x04\x12\x1c\n\x14\x61\x64mission_shed_bytes\x18\x0c \x01(\x04J\x04\x08\x05\x10\x06J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08R\x11\x62inding_term_textR\tterms_mapR\ttier_text\"\x9e\x01\n\x0e\x41\x64missionState\x12\x0e\n\x06paused\x18\x01 \x01(\x08\x12\x16\n\x0ereserved_bytes\x18\x02 \x01(\x04\x12\x14\n\x0creservations\x18\x03 \x01(\r\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x1a\n\x12session_bank_bytes\x18\x07 \x01(\x04*\x96\x01\n\rPressureLevel\x12\x1e\n\x1aPRESSURE_LEVEL_UNSPECIFIED\x10\x00\x12\x15\n\x11PRESSURE_LEVEL_OK\x10\x01\x12\x17\n\x13PRESSURE_LEVEL_SOFT\x10\x02\x12\x17\n\x13PRESSURE_LEVEL_HARD\x10\x03\x12\x1c\n\x18PRESSURE_LEVEL_EMERGENCY\x10\x04*t\n\nOsPressure\x12\x1b\n\x17OS_PRESSURE_UNSPECIFIED\x10\x00\x12\x16\n\x12OS_PRESSURE_NORMAL\x10\x01\x12\x17\n\x13OS_PRESSURE_WARNING\x10\x02\x12\x18\n\x14OS_PRESSURE_CRITICAL\x10\x03*\xc7\x01\n\x0b\x43\x65ilingTerm\x12\x1c\n\x18\x43\x45ILING_TERM_UNSPECIFIED\x10\x00\x12\x17\n\x13\x43\x45ILING_TERM_STATIC\x10\x01\x12\x18\n\x14\x43\x45ILING_TERM_DYNAMIC\x10\x02\x12\x1a\n\x16\x43\x45ILING_TERM_CONTAINER\x10\x03\x12\x17\n\x13\x43\x45ILING_TERM_DEVICE\x10\x04\x12\x17\n\x13\x43\x45ILING_TERM_CUSTOM\x10\x05\x12\x19\n\x15\x43\x45ILING_TERM_OPERATOR\x10\x06*\xb0\x01\n\x0fMemoryGuardTier\x12!\n\x1dMEMORY_GUARD_TIER_UNSPECIFIED\x10\x00\x12\x1a\n\x16MEMORY_GUARD_TIER_SAFE\x10\x01\x12\x1e\n\x1aMEMORY_GUARD_TIER_BALANCED\x10\x02\x12 \n\x1cMEMORY_GUARD_TIER_AGGRESSIVE\x10\x03\x12\x1c\n\x18MEMORY_GUARD_TIER_CUSTOM\x10\x04\x42[\n\x0f\x64\x65v.plimsoll.v1B\nTypesProtoP\x01Z:github.com/plimsoll/plimsoll/gen/go/plimsoll/v1;plimsollv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'plimsoll.v1.types_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\017dev.plimsoll.v1B\nTypesProtoP\001Z:github.com/plimsoll/plimsoll/gen/go/plimsoll/v1;plimsollv1'
   _globals['_MEMORYREADINGS_SOURCESENTRY']._loaded_options = None
   _globals['_MEMORYREADINGS_SOURCESENTRY']._serialized_options = b'8\001'
-  _globals['_MEMORYLIMITS_TERMSENTRY']._loaded_options = None
-  _globals['_MEMORYLIMITS_TERMSENTRY']._serialized_options = b'8\001'
-  _globals['_PRESSURELEVEL']._serialized_start=676
-  _globals['_PRESSURELEVEL']._serialized_end=826
+  _globals['_PRESSURELEVEL']._serialized_start=1084
+  _globals['_PRESSURELEVEL']._serialized_end=1234
+  _globals['_OSPRESSURE']._serialized_start=1236
+  _globals['_OSPRESSURE']._serialized_end=1352
+  _globals['_CEILINGTERM']._serialized_start=1355
+  _globals['_CEILINGTERM']._serialized_end=1554
+  _globals['_MEMORYGUARDTIER']._serialized_start=1557
+  _globals['_MEMORYGUARDTIER']._serialized_end=1733
   _globals['_MEMORYREADINGS']._serialized_start=41
-  _globals['_MEMORYREADINGS']._serialized_end=433
-  _globals['_MEMORYREADINGS_SOURCESENTRY']._serialized_start=387
-  _globals['_MEMORYREADINGS_SOURCESENTRY']._serialized_end=433
-  _globals['_MEMORYLIMITS']._serialized_start=436
-  _globals['_MEMORYLIMITS']._serialized_end=673
-  _globals['_MEMORYLIMITS_TERMSENTRY']._serialized_start=629
-  _globals['_MEMORYLIMITS_TERMSENTRY']._serialized_end=673
+  _globals['_MEMORYREADINGS']._serialized_end=482
+  _globals['_MEMORYREADINGS_SOURCESENTRY']._serialized_start=412
+  _globals['_MEMORYREADINGS_SOURCESENTRY']._serialized_end=458
+  _globals['_CEILINGTERMBYTES']._serialized_start=484
+  _globals['_CEILINGTERMBYTES']._serialized_end=557
+  _globals['_MEMORYLIMITS']._serialized_start=560
+  _globals['_MEMORYLIMITS']._serialized_end=920
+  _globals['_ADMISSIONSTATE']._serialized_start=923
+  _globals['_ADMISSIONSTATE']._serialized_end=1081
 # @@protoc_insertion_point(module_scope)

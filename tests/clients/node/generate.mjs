@@ -60,7 +60,7 @@ const client = new plimsoll.InferenceService(args.address, grpc.credentials.crea
 const statusNames = Object.fromEntries(Object.entries(grpc.status).map(([k, v]) => [v, k]));
 
 const request = {
-  model: args.model,
+  modelId: args.model,
   text: args.text,
   maxTokens,
   ignoreEos: args['ignore-eos'] && !args['no-ignore-eos'],
