@@ -192,10 +192,16 @@ class GeneratePipeline:
                     client_request_id: str = "") -> AdmitReport:
         """ControlService.Admit: the admission Generate would run, as a preview."""
         entry, request = self.prepare(spec)
-        redeemed = self._ticket_for(spec, entry, request, consume=False)
+        # Tickets this request holds are its own bytes, not another client's: the one
+        # it would redeem, and the one an earlier try with its client_request_id took.
+        own = [self._ticket_for(spec, entry, request, consume=False)]
+        if client_request_id:
+            earlier = self.reservations.by_client_request_id(client_request_id)
+            if earlier is not None and earlier.digest == _digest(request):
+                own.append(earlier)
+        held = {r.ticket: r.nbytes for r in own if r is not None}
         result = await self.governor.admit(
-            self._admission_request(entry, request, False,
-                                    redeemed.nbytes if redeemed is not None else 0),
+            self._admission_request(entry, request, False, sum(held.values())),
             preview=True)
         if result is None:
             raise Unavailable("memory could not be measured; retry", retry_after_s=1.0,
