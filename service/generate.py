@@ -14,6 +14,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from opentelemetry import trace
+
 from engine.errors import (
     MODEL_UNLOADING,
     FailedPrecondition,
@@ -267,28 +269,37 @@ class GeneratePipeline:
                           "limit": str(self.settings.max_queued_requests)},
             )
         self.governor.note_activity()
-        with tracer().start_as_current_span(names.SPAN_GENERATE) as span:
-            span.set_attribute(names.ATTR_REQUEST_ID, request.request_id)
-            span.set_attribute(names.ATTR_MODEL, entry.model_id)
-            span.set_attribute(names.ATTR_PROMPT_TOKENS, len(request.prompt_tokens))
-            self.in_flight += 1
-            self.pool.acquire(entry)
-            session = request.session_id or None
-            self.active.begin(session)
-            slot: AdmissionSlot | None = None
-            try:
+        span = tracer().start_span(names.SPAN_GENERATE, attributes={
+            names.ATTR_REQUEST_ID: request.request_id,
+            names.ATTR_MODEL: entry.model_id,
+            names.ATTR_PROMPT_TOKENS: len(request.prompt_tokens),
+        })
+        self.in_flight += 1
+        self.pool.acquire(entry)
+        session = request.session_id or None
+        self.active.begin(session)
+        slot: AdmissionSlot | None = None
+        try:
+            with trace.use_span(span):  # admission's spans are its children
                 slot = await self._wait_for_slot()
                 await self._admit(entry, request)
                 cache, cached = self._restore(entry, request)
-                span.set_attribute(names.ATTR_CACHED_TOKENS, cached)
-                async for event in self._stream(entry, request, cache, cached, span):
-                    yield event
-            finally:
-                if slot is not None:
-                    slot.release()
-                self.active.end(session)
-                self.in_flight -= 1
-                self.pool.release(entry)
+            span.set_attribute(names.ATTR_CACHED_TOKENS, cached)
+            # Not current across the yields: a stream resumes (or is closed by a
+            # cancelled client) in whatever context its consumer runs.
+            async for event in self._stream(entry, request, cache, cached, span):
+                yield event
+        except Exception as exc:
+            span.record_exception(exc)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, str(exc)))
+            raise
+        finally:
+            if slot is not None:
+                slot.release()
+            self.active.end(session)
+            self.in_flight -= 1
+            self.pool.release(entry)
+            span.end()
 
     async def _wait_for_slot(self) -> AdmissionSlot:
         result = await self.queue.acquire(self.settings.admission_timeout_s)
