@@ -193,6 +193,54 @@ def ensure_demo_model(size: str = "tiny", cache_dir: str | os.PathLike[str] | No
     return final
 
 
+# Variants made from a demo model with mlx-lm's own convert: the dtype or quantization
+# mlx-community models ship in (bfloat16, 4- and 8-bit affine with group size 64).
+DEMO_VARIANTS: dict[str, dict[str, Any]] = {
+    "bf16": {"dtype": "bfloat16"},
+    "4bit": {"dtype": "bfloat16", "quantize": True, "q_bits": 4, "q_group_size": 64},
+    "8bit": {"dtype": "bfloat16", "quantize": True, "q_bits": 8, "q_group_size": 64},
+}
+
+
+def demo_variant_path(size: str, variant: str,
+                      cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where the `variant` (a DEMO_VARIANTS key) of a demo model lives."""
+    _variant(variant)
+    return demo_model_path(size, cache_dir).with_name(f"{_spec(size).folder_name}-{variant}")
+
+
+def ensure_demo_variant(size: str, variant: str,
+                        cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Make the demo model of this size, then once its `variant` with mlx_lm's convert
+    (cast and/or quantize), under the same lock-and-rename as the model itself."""
+    options = _variant(variant)
+    source = ensure_demo_model(size, cache_dir)
+    final = demo_variant_path(size, variant, cache_dir)
+    if is_complete(final):
+        return final
+    with _file_lock(final.parent / f".{final.name}.lock"):
+        if is_complete(final):
+            return final
+        _remove_leftovers(final)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+        try:
+            tmp.chmod(0o755)
+            _convert(source, tmp / "model", options)
+            made = tmp / "model"
+            _write_json(made / COMPLETE_MARKER, {
+                "version": DEMO_FORMAT_VERSION,
+                "spec": asdict(_spec(size)),
+                "variant": variant,
+                "convert": options,
+            })
+            _fsync_dir(made)
+            os.replace(made, final)
+            _fsync_dir(final.parent)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
 def is_complete(folder: Path) -> bool:
     """A folder is complete once its marker exists: the marker is written last, before the
     atomic rename, so a folder at the final path without it is not one of ours."""
@@ -376,6 +424,25 @@ def _tensor_seed(spec: DemoSpec, name: str) -> int:
     """One independent seed per tensor, so adding a tensor never shifts the others."""
     digest = hashlib.sha256(f"{spec.seed}/{spec.folder_name}/{name}".encode()).digest()
     return int.from_bytes(digest[:16], "little")
+
+
+def _convert(source: Path, dest: Path, options: dict[str, Any]) -> None:
+    """mlx_lm.convert from a local demo model into `dest` (which must not exist); its
+    progress lines go nowhere."""
+    import io
+
+    from mlx_lm.convert import convert
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert(str(source), str(dest), **options)
+
+
+def _variant(variant: str) -> dict[str, Any]:
+    try:
+        return DEMO_VARIANTS[variant]
+    except KeyError:
+        raise ValueError(f"unknown demo variant {variant!r}; choose from "
+                         f"{', '.join(DEMO_VARIANTS)}") from None
 
 
 # --------------------------------------------------------------------------------------

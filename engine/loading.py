@@ -27,6 +27,7 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from engine import errors
 from engine.demo_models import kv_bytes_per_token
 from engine.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from memory.chunking import ConversionTransient
 
 DEFAULT_CONTEXT = 4096
 RETRY_FETCH_S = 30.0  # a repository the hub could not serve: retry after this
@@ -42,6 +43,8 @@ class ModelFacts:
     weights_bytes: int
     measured_bytes: int
     attention_heads: int
+    # What a prefill through fp32 conversions adds (engine/fast_prefill.py); None: stock.
+    prefill_conversion: ConversionTransient | None = None
 
 
 @dataclass
@@ -55,10 +58,12 @@ class LoadedModel:
     weights_bytes: int
     measured_bytes: int = 0
     attention_heads: int = 1
+    prefill_conversion: ConversionTransient | None = None
 
     def facts(self) -> ModelFacts:
         return ModelFacts(self.context_length, self.vocab_size, self.kv_bytes_per_token,
-                          self.weights_bytes, self.measured_bytes, self.attention_heads)
+                          self.weights_bytes, self.measured_bytes, self.attention_heads,
+                          self.prefill_conversion)
 
 
 def is_local(source: str) -> bool:

@@ -25,7 +25,8 @@ from typing import Any, Protocol, TypeVar
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from engine import allocator
+from engine import allocator, fast_prefill
+from engine.demo_models import dtype_bytes
 from engine.errors import (
     ENGINE_ERROR,
     PREFILL_ABORT,
@@ -69,6 +70,11 @@ class EngineSettings:
     # ends and errors go at once. Fewer, larger messages cost the loop (and the GIL
     # the engine thread needs) less per token; 0 sends every step.
     stream_interval_s: float = 0.002
+    # Prefill chunks of bf16/fp16/quantized models through float32 and the optimized BLAS,
+    # one layer converted at a time (engine/fast_prefill.py); False keeps the stock path.
+    fast_prefill: bool = True
+    fast_prefill_min_tokens: int = 16  # rows (tokens x sequences) of a converted chunk
+    fast_decode: str = "auto"  # quantized decode: "auto" (measured at load), "stock", "fp32"
 
 
 @dataclass
@@ -222,6 +228,7 @@ class ModelEngine:
         self._stop = False
         self._stop_error: PlimsollError | None = None
         self.info: LoadedModel | None = None
+        self.fast_prefill: fast_prefill.FastPrefill | None = None  # set at load
         # How many sequences may hold KV at once; the enforcer walks it one step per
         # tick (down under pressure, back to max_num_seqs at ok). Inserts beyond it wait.
         self.batch_cap = self.settings.max_num_seqs
@@ -404,11 +411,25 @@ class ModelEngine:
         if self._load_abort:
             raise Aborted(f"load of {self.model_id} aborted", reason="LOAD_ABORTED")
         info = load_model(self.source)
+        self._install_fast_prefill(info)
         if self._load_abort:
             # The traceback keeps this frame alive in `loaded`: drop the model first.
             del info
             raise Aborted(f"load of {self.model_id} aborted", reason="LOAD_ABORTED")
         return info
+
+    def _install_fast_prefill(self, info: LoadedModel) -> None:
+        """The per-model decision (engine/fast_prefill.py), on the thread that runs the
+        model; what it adds to a prefill goes to admission with the model's facts."""
+        s = self.settings
+        plan = fast_prefill.install(
+            info.model, enabled=s.fast_prefill, min_tokens=s.fast_prefill_min_tokens,
+            decode=s.fast_decode, kv_bytes_per_token=info.kv_bytes_per_token,
+            kv_dtype_bytes=dtype_bytes(info.config.get("torch_dtype")
+                                       or info.config.get("dtype")))
+        self.fast_prefill = plan
+        info.prefill_conversion = plan.prefill_transient
+        log.info("%s: %s", self.model_id, plan.summary())
 
     def _end_failed_load(self, exc: BaseException) -> None:
         if isinstance(exc, Aborted):

@@ -33,6 +33,7 @@ from engine.model_engine import (
     thread_gone,
     wait_threads_gone,
 )
+from memory.chunking import ConversionTransient
 from telemetry import names, tracer
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class ModelEntry:
     kv_bytes_per_token: int = 0
     attention_heads: int = 1
     vocab_size: int = 0
+    prefill_conversion: ConversionTransient | None = None  # engine/fast_prefill.py
     last_used: float = 0.0  # monotonic; LRU order
     last_used_wall: float = 0.0
     loaded_at: float | None = None  # monotonic, when the load finished; the warm-up's start
@@ -344,6 +346,7 @@ class ModelPool:
             entry.context_length = info.context_length
             entry.kv_bytes_per_token = info.kv_bytes_per_token
             entry.attention_heads = info.attention_heads
+            entry.prefill_conversion = info.prefill_conversion
             entry.vocab_size = info.vocab_size
             entry.state = ModelState.READY
             entry.pending_unload_reason = ""

@@ -120,3 +120,28 @@ def should_abort_before_chunk(
     """True when usage after this chunk would pass the pre-chunk abort line."""
     projected = usage_bytes + chunk_tokens * max(0.0, bytes_per_token)
     return projected > prefill_abort_line(tier, abort_cap_bytes, ceiling_bytes)
+
+
+@dataclass(frozen=True)
+class ConversionTransient:
+    """What a prefill through fp32 conversions (engine/fast_prefill.py) adds at its peak
+    beyond the stock path's transient, from figures the model gives once at load:
+
+    - `weight_bytes`: the largest converted layer's weight in fp32 (scales too), alive
+      while that layer's product runs; one layer at a time, so not per token;
+    - `chunk_token_bytes`: fp32 copies of a chunk token's activations (a layer's input
+      and output, attention's queries and output);
+    - `prompt_token_bytes`: one layer's keys and values in fp32, per prompt token
+      (attention over the whole prompt runs in fp32).
+    """
+
+    weight_bytes: int = 0
+    chunk_token_bytes: int = 0
+    prompt_token_bytes: int = 0
+
+    def bytes_for(self, chunk_tokens: int, prompt_tokens: int) -> int:
+        """The transient of a chunk of `chunk_tokens` over a prompt of `prompt_tokens`."""
+        if chunk_tokens <= 0:
+            return 0
+        return (self.weight_bytes + chunk_tokens * self.chunk_token_bytes
+                + prompt_tokens * self.prompt_token_bytes)

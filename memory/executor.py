@@ -105,8 +105,10 @@ class Executor:
         desk = self._desk
         if desk is not None:
             pinned = desk.pinned_sessions()
+        more: tuple = ()
         if query is not None and bank is not None:
             figures = bank.figures(query.model, query.prompt_tokens, pinned)
+            more = tuple(bank.figures(q.model, q.prompt_tokens, pinned) for q in query.more)
         return Snapshot(
             readings=readings,
             engines=views,
@@ -114,6 +116,7 @@ class Executor:
             bank_max_bytes=bank.max_bytes if bank is not None else None,
             sessions_expired=bank.expired_count() if bank is not None else 0,
             bank=figures,
+            more_banks=more,
             reserved_bytes=desk.reserved_bytes() if desk is not None else 0,
             queue=desk.queue_view() if desk is not None else None,
             pinned_sessions=pinned,
@@ -219,6 +222,8 @@ class Executor:
             case act.AbortRequests(model_id=m, request_ids=ids, reason=reason):
                 ended = await self._handle(m).abort_requests(
                     reason, list(ids) if ids is not None else None)
+                if not ended:  # nothing was running (a queued request is not in the batch)
+                    return Outcome(action, skipped="no running requests")
                 return Outcome(action, request_ids=tuple(ended))
             case act.MarkPendingUnload(model_id=m, reason=reason):
                 self._pool.mark_pending_unload(m, reason)

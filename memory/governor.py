@@ -39,6 +39,7 @@ from memory.plans.admission import (
     AdmissionRequest,
     AdmissionResult,
     AdmissionSettings,
+    admission_batch_plan,
     admission_plan,
 )
 from memory.plans.load import LoadResult, load_plan
@@ -125,6 +126,9 @@ class Governor:
         self._decision_lock: asyncio.Lock | None = None
         self._pending_wake = False
         self._stopped = False
+        # Live admissions waiting for the next burst decision (`_admit_in_burst`).
+        self._burst: list[tuple[AdmissionRequest, asyncio.Future]] = []
+        self._burst_task: asyncio.Future | None = None
         inst = self._recorder.inst
         inst.usage.register(self, lambda g: g.readings.process_bytes if g.readings else None)
         inst.ceiling.register(self, lambda g: g.limits.ceiling_bytes if g.limits else None)
@@ -293,7 +297,51 @@ class Governor:
 
         if preview:
             return await self.run_plan(plan(), preview=PreviewContext())
-        return await self._decide(plan)
+        return await self._admit_in_burst(request)
+
+    async def _admit_in_burst(self, request: AdmissionRequest) -> AdmissionResult | None:
+        """Live admissions that arrive together are decided together: each joins the
+        burst forming now; one decision task per burst takes, once it holds the decision
+        lock, every request that joined by then (those arriving meanwhile form the
+        next) and runs ONE `admission_batch_plan` over them, in arrival order — one
+        measurement, each request seeing the ones admitted before it."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[AdmissionResult | None] = loop.create_future()
+        self._burst.append((request, fut))
+        if self._burst_task is None:
+            self._burst_task = asyncio.ensure_future(self._decide_bursts())
+        # Shielded: a caller that is cancelled stops waiting; the decision goes on.
+        return await asyncio.shield(fut)
+
+    async def _decide_bursts(self) -> None:
+        try:
+            while self._burst:
+                async with self._lock():
+                    burst, self._burst = self._burst, []
+                    live = [(r, f) for r, f in burst if not f.done()]  # callers gone: skip
+                    if not live:
+                        continue
+                    try:
+                        results = await self.run_plan(admission_batch_plan(
+                            [r for r, _ in live], self._config, self.admission_settings,
+                            self._state.level, gate_level=self._gate_level(),
+                            bank_budget_bytes=self._state.bank_ceiling_bytes))
+                    except BaseException as exc:
+                        for _, f in live:
+                            if not f.done():
+                                f.set_exception(exc)
+                        if isinstance(exc, asyncio.CancelledError):
+                            raise
+                        continue
+                    for i, (_, f) in enumerate(live):
+                        if not f.done():
+                            f.set_result(results[i] if results is not None else None)
+        finally:
+            self._burst_task = None
+            for _, f in self._burst:  # only when cancelled (the loop is closing)
+                if not f.done():
+                    f.cancel()
+            self._burst.clear()
 
     async def _decide(self, make_plan: Callable[[], Generator[Step, Any, R]]) -> R | None:
         """Run a live plan under the decision lock, in a task of the governor's own: a

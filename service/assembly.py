@@ -26,7 +26,7 @@ from service.desk import AdmissionDesk
 from service.engines import PoolAdapter
 from service.generate import GeneratePipeline, PipelineSettings
 from service.lifecycle import Lifecycle
-from service.metrics import RequestMetrics
+from service.metrics import RequestMetrics, register_memory_gauges
 from sessions.activity import ActiveSessions
 from sessions.admission import queue_from_settings
 from sessions.bank import SessionBank
@@ -103,6 +103,7 @@ class Service:
         self.governor = Governor(self.memory_config, executor, sink, admission=admission)
         self.engines.report = self.governor.report
         self.metrics = RequestMetrics(self._request_counts)
+        register_memory_gauges(self.governor, self.reservations, pool)
         self.pipeline = GeneratePipeline(
             pool, self.governor, self.bank, self.queue, self.reservations,
             self.active_sessions,

@@ -15,11 +15,13 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engine import blas
 from engine.demo_models import DEMO_SIZES
 from engine.model_engine import EngineSettings
 from memory.config import MemoryConfig
 from memory.plans.admission import validate_scheduler_settings
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
+from service import operator_cli
 from service.server import MiB, ServerConfig, serve
 from telemetry.setup import TelemetrySettings
 
@@ -141,9 +143,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--otlp-endpoint", default="",
                    help="send traces and metrics over OTLP/gRPC to this endpoint "
                    "(default: the OTEL_EXPORTER_OTLP_ENDPOINT variable; none: nothing leaves)")
+    s.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics over HTTP at /metrics on this port "
+                   "(the plimsoll_ catalogue and vLLM's gateway gauges; see "
+                   "docs/metrics.md); 0 picks a free one (default: off)")
+    s.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics listener binds (default: %(default)s)")
+    s.add_argument("--http-port", type=int, default=None, metavar="PORT",
+                   help="serve the web dashboard (live pressure, models, enforcer actions; "
+                   "also /api/status and /metrics) on this port; 0 picks a free one "
+                   "(default: off)")
+    s.add_argument("--http-host", default="127.0.0.1",
+                   help="address the web dashboard binds (default: %(default)s)")
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"],
                    help="log verbosity (default: %(default)s)")
+    s.add_argument(blas.FLAG, action="store_true",
+                   help="keep MLX's bundled reference BLAS instead of the optimized one of "
+                   "the [blas] extra (Linux x86_64); the same as PLIMSOLL_BLAS=reference")
 
     g = sub.add_parser("generate", help="stream a generation to the terminal",
                        description="Send one Generate request and stream its text.")
@@ -168,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(h)
     h.add_argument("--service", default="",
                    help="service name to check (default: overall)")
+    operator_cli.register(sub)  # status, admit, pin, unpin, load, unload, sessions, watch, plot
     return parser
 
 
@@ -273,6 +291,10 @@ def _serve(args) -> int:
                               prefill_step_size=args.prefill_step_size,
                               stream_interval_s=max(0.0, args.stream_interval_ms) / 1000),
         telemetry=TelemetrySettings(otlp_endpoint=args.otlp_endpoint),
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        http_host=args.http_host,
+        http_port=args.http_port,
     )
     config.memory = memory_config(args)
     rt = config.service
@@ -298,8 +320,16 @@ def _serve(args) -> int:
                         ("--max-message-mb", args.max_message_mb)):
         if value <= 0:
             raise CliError(f"{name} must be > 0, got {value}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise CliError(f"--metrics-port must be 0..65535, got {args.metrics_port}")
+    if args.http_port is not None and not 0 <= args.http_port <= 65535:
+        raise CliError(f"--http-port must be 0..65535, got {args.http_port}")
     if args.drain_seconds < 0:
         raise CliError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
+    if args.no_optimized_blas and blas.state().optimized:
+        # The BLAS was chosen when engine/ was imported, from the process's command line.
+        raise CliError(f"{blas.FLAG} works on the command line only; or set "
+                       f"{blas.ENV}=reference")
     asyncio.run(serve(config))
     return 0
 
@@ -309,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args)
+        if args.command in operator_cli.VERBS:
+            return operator_cli.run(args)
         runner = {"generate": _generate, "models": _models, "health": _health}[args.command]
         return asyncio.run(runner(args))
     except grpc.aio.AioRpcError as err:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from google.protobuf import duration_pb2
 
+from engine import blas
 from engine.errors import (
     InvalidArgument,
     PlimsollError,
@@ -165,12 +166,16 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             broker.unsubscribe(sub)
 
     async def GetMemoryStatus(self, request, context):
-        svc = self._service
-        self._control.expire_leases()
         try:
-            snap = await self._snapshot()
+            return await self.memory_status()
         except Exception as err:
             await status.abort(context, err)
+
+    async def memory_status(self) -> control_pb2.GetMemoryStatusResponse:
+        """GetMemoryStatus's answer; the web dashboard's /api/status too."""
+        svc = self._service
+        self._control.expire_leases()
+        snap = await self._snapshot()
         gov = svc.governor
         return control_pb2.GetMemoryStatusResponse(
             level=snap.level,
@@ -181,6 +186,7 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             enforcer_enabled=gov.config.enabled,
             poll_interval=convert.duration(gov.poll_interval),
             admission=convert.admission_to_wire(svc.admission_figures()),
+            blas=_blas_to_wire(blas.state()),
         )
 
     # -- sessions ---------------------------------------------------------------------------
@@ -240,3 +246,9 @@ def _admit_to_wire(report) -> control_pb2.AdmitResponse:
 
 def _admits(verdict: Verdict) -> bool:
     return verdict in (Verdict.ADMIT, Verdict.ADMIT_AFTER_SHEDDING)
+
+
+def _blas_to_wire(state: blas.BlasState) -> control_pb2.BlasInfo:
+    return control_pb2.BlasInfo(name=state.name, version=state.version,
+                                description=state.description, threads=state.threads,
+                                optimized=state.optimized, reason=state.reason)

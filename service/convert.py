@@ -201,8 +201,29 @@ def transition_to_wire(t, readings, limits) -> control_pb2.PressureTransition:
         to_level=level_to_wire(t.to_level),
         readings=readings_to_wire(readings),
         limits=limits_to_wire(limits),
-        reason=t.reason,
+        reason=transition_reason(t),
     )
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def transition_reason(t) -> str:
+    """Why, in figures: "usage 7.10 GiB >= hard 6.90 GiB (poll)"."""
+    u = _gib(t.usage_bytes)
+    match t.to_level:
+        case PressureLevel.EMERGENCY:
+            crossed = f"usage {u} >= ceiling {_gib(t.ceiling_bytes)}"
+        case PressureLevel.HARD:
+            crossed = f"usage {u} >= hard {_gib(t.hard_bytes)}"
+        case PressureLevel.SOFT if t.to_level > t.from_level:
+            crossed = f"usage {u} >= soft {_gib(t.soft_bytes)}"
+        case PressureLevel.SOFT:
+            crossed = f"usage {u} < hard {_gib(t.hard_bytes)}"
+        case _:
+            crossed = f"usage {u} < soft {_gib(t.soft_bytes)}"
+    return f"{crossed} ({t.reason})"
 
 
 def sample_to_wire(sample, admission: types_pb2.AdmissionState) -> control_pb2.PressureSample:

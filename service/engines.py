@@ -60,9 +60,13 @@ class PrefillGuard:
     before each prefill step with its own MLX sample, so nothing here calls MLX.
     """
 
-    def __init__(self, kv_bytes_per_token: int, min_chunk: int, max_chunk: int) -> None:
+    def __init__(self, kv_bytes_per_token: int, min_chunk: int, max_chunk: int,
+                 fixed_bytes: int = 0) -> None:
         # Static floor: the KV itself plus attention scratch of a few rows per token.
         self.cost = PrefillCostModel(static_bytes_per_token=max(1, kv_bytes_per_token * 4))
+        # Per chunk, whatever its size: the fp32 weight of the largest converted layer
+        # (engine/fast_prefill.py), counted as if already allocated.
+        self.fixed_bytes = fixed_bytes
         self.min_chunk = min_chunk
         self.max_chunk = max_chunk
         # One tuple, replaced whole: the engine thread never reads two ticks' figures.
@@ -84,7 +88,7 @@ class PrefillGuard:
         limits = self.limits
         if limits is None:
             return min(self.max_chunk, remaining_tokens), False
-        usage = limits.non_mlx_bytes + mlx_active_bytes
+        usage = limits.non_mlx_bytes + mlx_active_bytes + self.fixed_bytes
         per_token = self.cost.bytes_per_token
         chunk = plan_chunk(tier=limits.tier, ceiling_bytes=limits.ceiling_bytes,
                            usage_bytes=usage, bytes_per_token=per_token,
@@ -252,8 +256,10 @@ class PoolAdapter:
 
     def _make_guard(self, entry: ModelEntry) -> PrefillGuard:
         step = self._pool.settings.prefill_step_size
+        conversion = entry.prefill_conversion
         return PrefillGuard(entry.kv_bytes_per_token, self._min_chunk,
-                            min(self._max_chunk, step))
+                            min(self._max_chunk, step),
+                            conversion.weight_bytes if conversion is not None else 0)
 
     def _on_prefill_abort(self, r: PrefillAbortReport) -> None:
         # On the engine thread: hand the record to the governor (it moves it to the loop).

@@ -8,6 +8,7 @@ finished session turn in the bank.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import os
 import time
@@ -185,6 +186,7 @@ class GeneratePipeline:
             kv_bytes_per_token=entry.kv_bytes_per_token,
             attention_heads=entry.attention_heads,
             prefill_step_size=self.pool.settings.prefill_step_size,
+            prefill_conversion=entry.prefill_conversion,
             holds_slot=holds_slot,
             own_reservation_bytes=own_reservation_bytes,
         )
@@ -354,7 +356,7 @@ class GeneratePipeline:
         engine = entry.engine
         if engine is None:
             raise Unavailable(f"model '{entry.model_id}' was unloaded", retry_after_s=1.0)
-        sink: asyncio.Queue[Event] = asyncio.Queue()
+        sink = _Sink()
         done = False
         progress = _Progress(time.monotonic(), len(request.prompt_tokens), cached)
         try:
@@ -363,12 +365,12 @@ class GeneratePipeline:
                            cached, self.governor.level)
             pending: Event | None = None
             while True:
-                event = pending or await sink.get()
+                event = pending or sink.get_nowait() or await sink.get()
                 pending = None
                 if isinstance(event, Chunk):
                     # Coalesce what queued up while the client was reading.
                     limit = request.max_tokens_per_chunk or DEFAULT_CHUNK_TOKENS
-                    while not sink.empty() and len(event.token_ids) < limit:
+                    while sink and len(event.token_ids) < limit:
                         nxt = sink.get_nowait()
                         if (not isinstance(nxt, Chunk)
                                 or len(event.token_ids) + len(nxt.token_ids) > limit):
@@ -404,6 +406,38 @@ class GeneratePipeline:
         self.bank.put(SessionEntry(model=request.model_id, tokens=tuple(tokens),
                                    session_id=request.session_id, payload=cache,
                                    nbytes=nbytes))
+
+
+class _Sink:
+    """A stream's events from the engine (which calls `put_nowait` on the loop): a deque
+    and at most one waiter, lighter per token than an `asyncio.Queue`."""
+
+    __slots__ = ("_events", "_waiter")
+
+    def __init__(self) -> None:
+        self._events: collections.deque[Event] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self._events)
+
+    def put_nowait(self, event: Event) -> None:
+        self._events.append(event)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def get_nowait(self) -> Event | None:
+        return self._events.popleft() if self._events else None
+
+    async def get(self) -> Event:
+        while not self._events:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._events.popleft()
 
 
 @dataclass

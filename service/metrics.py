@@ -1,12 +1,22 @@
 """Request metrics (instruments from `telemetry.instruments`): admissions by verdict,
-requests running and waiting, time to first token, tokens generated."""
+requests running and waiting, time to first token, tokens generated; and the service's
+memory gauges the governor does not register itself (marks, reservations, model bytes).
+
+Every provider here reads a figure already held (the governor's last reading, the
+pool's measured sizes): a scrape runs them on the metrics listener's thread."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from engine.pool import ModelPool, ModelState
+from memory.governor import Governor
+from sessions.reservations import ReservationBook
 from telemetry import names
 from telemetry.instruments import Instruments, instruments
+
+# Models that hold their memory: loaded, or unloading but not yet gone.
+_HOLDING = (ModelState.READY, ModelState.UNLOADING)
 
 
 class RequestMetrics:
@@ -24,3 +34,29 @@ class RequestMetrics:
     def finished(self, model: str, ttft_s: float, tokens: int) -> None:
         self._inst.ttft.record(ttft_s, {names.ATTR_MODEL: model})
         self._inst.tokens.add(tokens, {names.ATTR_MODEL: model})
+
+
+def _soft_mark(g: Governor) -> int | None:
+    limits = g.limits
+    return limits.soft_bytes if limits is not None else None
+
+
+def _hard_mark(g: Governor) -> int | None:
+    limits = g.limits
+    return limits.hard_bytes if limits is not None else None
+
+
+def loaded_model_bytes(pool: ModelPool) -> dict[str, int]:
+    """Measured bytes by model id, for the models holding memory now."""
+    return {e.model_id: e.measured_bytes for e in pool.entries() if e.state in _HOLDING}
+
+
+def register_memory_gauges(governor: Governor, reservations: ReservationBook,
+                           pool: ModelPool, inst: Instruments | None = None) -> None:
+    """Providers for the soft and hard marks, reserved bytes and per-model bytes
+    (each held weakly by its gauge, like every provider)."""
+    inst = inst or instruments()
+    inst.soft_mark.register(governor, _soft_mark)
+    inst.hard_mark.register(governor, _hard_mark)
+    inst.reserved.register(reservations, lambda r: r.reserved_bytes())
+    inst.model_bytes.register(pool, loaded_model_bytes)

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from grpc_reflection.v1alpha._async import ReflectionServicer
 from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
 
-from engine import allocator
+from engine import allocator, blas
 from engine.demo_models import ensure_demo_model
 from engine.errors import DRAINING, PlimsollError, Unavailable
 from engine.model_engine import EngineSettings, wait_threads_gone
@@ -32,7 +32,11 @@ from service.control_servicer import ControlServicer
 from service.inference_servicer import InferenceServicer
 from service.lifecycle import settle_heap
 from service.pressure_broker import PressureBroker, PressurePublisher
+from telemetry.prometheus import MetricsServer, start_metrics_server
 from telemetry.setup import TelemetrySettings, setup
+
+if TYPE_CHECKING:
+    from service.web_dashboard import WebDashboard
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +73,10 @@ class ServerConfig:
     service: ServiceSettings = field(default_factory=ServiceSettings)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off, 0: any port
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None  # the web dashboard (service.web_dashboard); None: off, 0: any
 
 
 class _MethodAwarePool:
@@ -195,6 +203,8 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        # A second server on a taken port fails to start instead of sharing it.
+        ("grpc.so_reuseport", 0),
         # Idle WatchPressure streams must live: ping idle clients every minute,
         # and accept client keepalive pings down to every 10 s.
         ("grpc.keepalive_time_ms", 60_000),
@@ -217,6 +227,8 @@ class PlimsollServer:
         self.broker = PressureBroker()
         self.publisher = PressurePublisher(self.broker)
         self._enforcer_task: asyncio.Task | None = None
+        self.metrics_server: MetricsServer | None = None
+        self.web: WebDashboard | None = None  # with http_port
         self._stopped = asyncio.Event()
         self._cut_now = asyncio.Event()
 
@@ -240,9 +252,8 @@ class PlimsollServer:
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(
             InferenceServicer(svc.pipeline, self.config.max_message_bytes), server
         )
-        control_pb2_grpc.add_ControlServiceServicer_to_server(
-            ControlServicer(svc, self.publisher), server
-        )
+        control = ControlServicer(svc, self.publisher)
+        control_pb2_grpc.add_ControlServiceServicer_to_server(control, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         add_reflection(server, (INFERENCE, CONTROL, HEALTH))
         # Inference waits for its default model; control answers from the start.
@@ -252,12 +263,28 @@ class PlimsollServer:
         self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
+        if self.config.metrics_port is not None:  # its own threads, off this loop
+            self.metrics_server = start_metrics_server(self.config.metrics_host,
+                                                       self.config.metrics_port)
         await svc.governor.tick()  # a first snapshot before anyone subscribes
+        if self.config.http_port is not None:
+            await self._start_web(control)
         await server.start()
         self._server = server
         self._enforcer_task = asyncio.create_task(svc.governor.run())
+        using = blas.state()
+        log.log(logging.WARNING if using.problem else logging.INFO, "BLAS: %s", using.summary())
         log.info("listening on %s:%d", self.config.host, self.port)
         return self.port
+
+    async def _start_web(self, control: ControlServicer) -> None:
+        # Imported here: without --http-port no HTTP server is loaded, let alone started.
+        from service.web_dashboard import DashboardSources, start_web_dashboard
+
+        sources = DashboardSources(self.publisher, control.memory_status,
+                                   lambda: self.service.draining)
+        self.web = await start_web_dashboard(sources, self.config.http_host,
+                                             self.config.http_port)
 
     async def load_initial_models(self) -> None:
         sources = list(self.config.models)
@@ -306,6 +333,10 @@ class PlimsollServer:
             self._enforcer_task.cancel()
             await asyncio.gather(self._enforcer_task, return_exceptions=True)
         await svc.pool.close()
+        if self.web is not None:  # its event streams ended with the broker's, above
+            await self.web.stop()
+        if self.metrics_server is not None:  # scrapes see the drain until the end
+            await asyncio.to_thread(self.metrics_server.stop)
         log.info("drained in %.1fs", asyncio.get_running_loop().time() - began)
         self._stopped.set()
 

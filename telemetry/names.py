@@ -80,3 +80,17 @@ METRIC_TRANSITIONS = "plimsoll_pressure_transitions_total"
 METRIC_SHRINKS = "plimsoll_session_shrinks_total"
 METRIC_RECLAIMS = "plimsoll_reclaims_total"
 METRIC_REFUSALS = "plimsoll_refusals_total"
+METRIC_SOFT_MARK = "plimsoll_memory_soft_mark_bytes"
+METRIC_HARD_MARK = "plimsoll_memory_hard_mark_bytes"
+METRIC_RESERVED_BYTES = "plimsoll_reserved_bytes"
+METRIC_MODEL_BYTES = "plimsoll_model_loaded_bytes"
+
+# -- metric labels that are not span attributes --------------------------------
+LABEL_MODEL_ID = "model_id"  # plimsoll_model_loaded_bytes, one series per loaded model
+
+# -- the gauges gateways route on (vLLM's names; Prometheus only, see docs/metrics.md) --
+# OpenTelemetry instrument names cannot hold a colon, so telemetry.prometheus exports
+# these itself, from the same figures as plimsoll_requests_* and the memory gauges.
+VLLM_REQUESTS_RUNNING = "vllm:num_requests_running"
+VLLM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"

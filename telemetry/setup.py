@@ -2,7 +2,10 @@
 
 Nothing leaves the process by default. An OTLP endpoint (flag, or the standard
 OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_EXPORTER_OTLP_TRACES_ENDPOINT variables)
-turns on the OTLP exporters.
+turns on the OTLP exporters. The Prometheus pull reader is installed unless asked
+not to be: it must come with the one MeterProvider, and it computes nothing until
+something scrapes (`plimsoll serve --metrics-port`, or a listener calling
+`telemetry.prometheus.render()`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ _configured = False
 class TelemetrySettings:
     otlp_endpoint: str = ""  # empty: use the OTEL_* variables, if any
     service_name: str = "plimsoll"
+    prometheus: bool = True  # install the Prometheus reader (serving it is separate)
 
 
 def otlp_endpoint(settings: TelemetrySettings) -> str:
@@ -54,6 +58,10 @@ def setup(
 
         tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
         readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=endpoint)))
+    if settings.prometheus:
+        from telemetry.prometheus import metric_reader
+
+        readers.append(metric_reader())
     for processor in extra_span_processors or []:
         tracer_provider.add_span_processor(processor)
     trace.set_tracer_provider(tracer_provider)

@@ -40,8 +40,9 @@ request → start-message round trip.
 `--profile-seconds` under `py-spy record` (pip install py-spy) attached to the
 server, and prints where its threads spend their time.
 
-Targets (reported, not asserted): ratio >= 0.95 with one stream, >= 0.90 with
-more; TTFT p50 overhead (gRPC - baseline) <= 3 ms.
+Targets (reported, not asserted; issue 10 item 4): ratio >= 0.97 with one stream,
+>= 0.90 with more; TTFT p50 overhead (gRPC - baseline) <= 3 ms at every stream
+count; with 32 or more streams TTFT p99 no worse than the baseline's + 10 %.
 """
 
 from __future__ import annotations
@@ -70,9 +71,11 @@ from tools.harness.profile import analyze_collapsed, find_py_spy, print_profile 
 from tools.harness.report import Machine, log, percentile  # noqa: E402
 from tools.harness.server import ServerProcess, serving  # noqa: E402
 
-RATIO_TARGET_SINGLE = 0.95
+RATIO_TARGET_SINGLE = 0.97
 RATIO_TARGET_BATCH = 0.90
 TTFT_OVERHEAD_TARGET_MS = 3.0
+TTFT_P99_TARGET_STREAMS = 32  # from this many streams on, p99 is held to the baseline's
+TTFT_P99_TARGET_FACTOR = 1.10
 
 # Matches the server's defaults (service/cli.py, engine/model_engine.py EngineSettings).
 COMPLETION_BATCH_SIZE = 32
@@ -95,6 +98,8 @@ class Row:
     ratio_target: float
     ratio_ok: bool
     ttft_ok: bool
+    ttft_p99_overhead_ms: float = 0.0
+    p99_ok: bool = True
     # Median CPU milliseconds per generated token, and cores kept busy (CPU s / wall s).
     baseline_cpu_ms_per_tok: float = 0.0
     server_cpu_ms_per_tok: float = 0.0
@@ -118,6 +123,7 @@ def summarize(streams: int, baseline: list[Run], grpc_runs: list[Run]) -> Row:
     g99 = med(r.ttft_p99_ms for r in grpc_runs)
     ratio = g_tok / b_tok if b_tok > 0 else 0.0
     target = RATIO_TARGET_SINGLE if streams == 1 else RATIO_TARGET_BATCH
+    p99_ok = streams < TTFT_P99_TARGET_STREAMS or g99 <= b99 * TTFT_P99_TARGET_FACTOR
     return Row(
         streams=streams,
         baseline_tok_s=b_tok,
@@ -130,7 +136,9 @@ def summarize(streams: int, baseline: list[Run], grpc_runs: list[Run]) -> Row:
         ttft_p50_overhead_ms=g50 - b50,
         ratio_target=target,
         ratio_ok=ratio >= target,
-        ttft_ok=(g50 - b50) <= TTFT_OVERHEAD_TARGET_MS,
+        ttft_ok=(g50 - b50) <= TTFT_OVERHEAD_TARGET_MS and p99_ok,
+        ttft_p99_overhead_ms=g99 - b99,
+        p99_ok=p99_ok,
         baseline_cpu_ms_per_tok=med(1e3 * r.bench_cpu_s / r.tokens for r in baseline),
         server_cpu_ms_per_tok=med(1e3 * r.server_cpu_s / r.tokens for r in grpc_runs),
         client_cpu_ms_per_tok=med(1e3 * r.bench_cpu_s / r.tokens for r in grpc_runs),
@@ -248,9 +256,10 @@ def fmt_table(rows: list[Row]) -> str:
     head = (
         "| streams | runs | baseline tok/s | gRPC tok/s | ratio | target | "
         "TTFT p50 base (ms) | TTFT p99 base (ms) | TTFT p50 gRPC (ms) | "
-        "TTFT p99 gRPC (ms) | TTFT p50 overhead (ms) | throughput | TTFT |"
+        "TTFT p99 gRPC (ms) | TTFT p50 overhead (ms) | TTFT p99 overhead (ms) | "
+        "throughput | TTFT |"
     )
-    sep = "|" + "|".join("---:" for _ in range(13)) + "|"
+    sep = "|" + "|".join("---:" for _ in range(14)) + "|"
     lines = [head, sep]
     for r in rows:
         lines.append(
@@ -258,6 +267,7 @@ def fmt_table(rows: list[Row]) -> str:
             f"≥ {r.ratio_target:.2f} | {r.baseline_ttft_p50_ms:.1f} | "
             f"{r.baseline_ttft_p99_ms:.1f} | {r.grpc_ttft_p50_ms:.1f} | "
             f"{r.grpc_ttft_p99_ms:.1f} | {r.ttft_p50_overhead_ms:+.1f} | "
+            f"{r.ttft_p99_overhead_ms:+.1f} | "
             f"{'PASS' if r.ratio_ok else 'MISS'} | {'PASS' if r.ttft_ok else 'MISS'} |"
         )
     return "\n".join(lines)
@@ -515,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     misses = [r.streams for r in rows if not (r.ratio_ok and r.ttft_ok)]
     print(
         f"\ntargets: ratio ≥ {RATIO_TARGET_SINGLE} (1 stream), ≥ {RATIO_TARGET_BATCH} "
-        f"(more); TTFT p50 overhead ≤ {TTFT_OVERHEAD_TARGET_MS:g} ms — "
+        f"(more); TTFT p50 overhead ≤ {TTFT_OVERHEAD_TARGET_MS:g} ms, and p99 ≤ baseline "
+        f"× {TTFT_P99_TARGET_FACTOR:g} from {TTFT_P99_TARGET_STREAMS} streams — "
         + ("all PASS" if not misses else f"MISS at {misses} streams")
     )
     if result["discarded"]:

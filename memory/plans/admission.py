@@ -57,7 +57,7 @@ from memory.actions import (
     ShrinkSessionCache,
 )
 from memory.ceiling import Limits, compute_limits
-from memory.chunking import prefill_abort_bytes
+from memory.chunking import ConversionTransient, prefill_abort_bytes
 from memory.config import MemoryConfig
 from memory.levels import PressureLevel
 from memory.plans.eviction import freeable_bytes, idle_victims
@@ -135,6 +135,8 @@ class AdmissionRequest:
     prefill_step_size: int = 512
     holds_slot: bool = False  # Generate passed the queue's gate already
     own_reservation_bytes: int = 0  # the ticket it redeems: not someone else's
+    # The model's fp32-conversion prefill (engine/fast_prefill.py); None: the stock path.
+    prefill_conversion: ConversionTransient | None = None
 
 
 # -- the pure decision ------------------------------------------------------------
@@ -163,6 +165,9 @@ class AdmissionInputs:
     prefill_transient_bytes: int = 0
     restore_bytes: int = 0
     reserved_bytes: int = 0
+    # Requests of the same burst admitted before this one, not yet in the reading
+    # (`admission_batch_plan`): their own bytes count as if already allocated.
+    burst_bytes: int = 0
     level: PressureLevel = PressureLevel.OK
     admitted_in_flight: int = 0
     queue_depth: int = 0
@@ -212,8 +217,9 @@ def own_bytes(inputs: AdmissionInputs) -> int:
 
 
 def project_bytes(inputs: AdmissionInputs) -> int:
-    """usage + missed tokens x KV bytes/token + prefill transient (+ restore, + others' tickets)."""
-    return inputs.usage_bytes + own_bytes(inputs) + inputs.reserved_bytes
+    """usage + missed tokens x KV bytes/token + prefill transient (+ restore, + others'
+    tickets, + the burst's earlier admissions)."""
+    return inputs.usage_bytes + own_bytes(inputs) + inputs.reserved_bytes + inputs.burst_bytes
 
 
 def gate(
@@ -250,6 +256,7 @@ def decide(inputs: AdmissionInputs) -> Decision:
         "admission_limit_bytes": inputs.ceiling_bytes,
         "pool_bytes": inputs.pool_bytes,
         "reserved_bytes": inputs.reserved_bytes,
+        **({"burst_bytes": inputs.burst_bytes} if inputs.burst_bytes else {}),
         "miss_tokens": miss_tokens(inputs),
         "kv_bytes_per_token": inputs.kv_bytes_per_token,
         "bank_bytes": inputs.bank.total_bytes,
@@ -294,10 +301,16 @@ def decide(inputs: AdmissionInputs) -> Decision:
 def prefill_transient_bytes(request: AdmissionRequest, miss: int) -> int:
     """The peak a prefill adds beyond its KV: the last chunk's attention scores over
     the whole prompt (fp32, and a softmax copy), plus activations of a few KV rows
-    per token. Measured on the tiny model: 4,000 tokens at step 512 peak ~40 MiB."""
+    per token. Measured on the tiny model: 4,000 tokens at step 512 peak ~40 MiB.
+    A model whose prefill converts its layers to fp32 adds the largest layer's fp32 weight
+    and fp32 copies of the chunk's activations and of one layer's K/V
+    (`ConversionTransient`)."""
     chunk = min(miss, request.prefill_step_size)
     prompt = len(request.prompt_tokens)
-    return chunk * request.attention_heads * prompt * 4 * 2 + chunk * request.kv_bytes_per_token * 4
+    conversion = (request.prefill_conversion.bytes_for(chunk, prompt)
+                  if request.prefill_conversion is not None else 0)
+    return (chunk * request.attention_heads * prompt * 4 * 2
+            + chunk * request.kv_bytes_per_token * 4 + conversion)
 
 
 @dataclass(frozen=True)
@@ -443,9 +456,87 @@ def admission_plan(
     are predictions and the plan predicts usage instead of measuring again."""
     query = AdmissionQuery(request.model, request.prompt_tokens)
     snap: Snapshot = yield Measure(MEASURE_ADMISSION, query)
+    return (yield from _decide_measured(request, snap, config, settings, level,
+                                        gate_level=gate_level,
+                                        bank_budget_bytes=bank_budget_bytes, preview=preview))
+
+
+def admission_batch_plan(
+    requests: Sequence[AdmissionRequest],
+    config: MemoryConfig,
+    settings: AdmissionSettings,
+    level: PressureLevel,
+    *,
+    gate_level: PressureLevel | None = None,
+    bank_budget_bytes: int | None = None,
+) -> Generator[Step, Any, tuple[AdmissionResult, ...]]:
+    """Live admission of a burst: ONE measurement (readings, and the bank's figures for
+    every prompt), then each request decided in order by `admission_plan`'s cascade,
+    each seeing the own bytes of the ones admitted before it (`burst_bytes`): they are
+    not in the reading yet. A relief that ran takes a fresh measurement as it always
+    does; the requests after it are then measured once more (the bank changed).
+
+    For one request it is `admission_plan` (same steps, same result)."""
+    results: list[AdmissionResult] = []
+    burst = 0
+    snap: Snapshot | None = None
+    banks: dict[int, BankFigures | None] = {}
+    for i, request in enumerate(requests):
+        if snap is None:
+            rest = requests[i:]
+            query = AdmissionQuery(
+                request.model, request.prompt_tokens,
+                more=tuple(AdmissionQuery(r.model, r.prompt_tokens) for r in rest[1:]))
+            snap = yield Measure(MEASURE_ADMISSION, query)
+            figures = (snap.bank, *snap.more_banks)
+            banks = {i + k: figures[k] if k < len(figures) else None
+                     for k in range(len(rest))}
+        mine = replace(snap, bank=banks.get(i), more_banks=())
+        relieved = False
+
+        def watch(gen):
+            # Forward the cascade's steps; note whether it measured again.
+            nonlocal relieved
+            reply = None
+            while True:
+                try:
+                    step = gen.send(reply)
+                except StopIteration as stop:
+                    return stop.value
+                if isinstance(step, Measure):
+                    relieved = True
+                reply = yield step
+
+        result = yield from watch(_decide_measured(
+            request, mine, config, settings, level, gate_level=gate_level,
+            bank_budget_bytes=bank_budget_bytes, burst_bytes=burst))
+        results.append(result)
+        if result.admitted:
+            burst += own_bytes(result.decision.inputs)
+        if relieved:
+            snap = None  # memory was freed and the bank changed: measure again
+    return tuple(results)
+
+
+def _decide_measured(
+    request: AdmissionRequest,
+    snap: Snapshot,
+    config: MemoryConfig,
+    settings: AdmissionSettings,
+    level: PressureLevel,
+    *,
+    gate_level: PressureLevel | None = None,
+    bank_budget_bytes: int | None = None,
+    preview: bool = False,
+    burst_bytes: int = 0,
+) -> Generator[Step, Any, AdmissionResult]:
+    """`admission_plan` once its first measurement is in."""
+    query = AdmissionQuery(request.model, request.prompt_tokens)
     limits = compute_limits(snap.readings, config)
     gated_at = level if gate_level is None else gate_level
     inputs = admission_inputs(snap, request, limits, gated_at, settings)
+    if burst_bytes:
+        inputs = replace(inputs, burst_bytes=burst_bytes)
     if not config.enabled:  # measured and reported, never enforced
         inputs = replace(inputs, ceiling_bytes=UNLIMITED_BYTES, threshold_bytes=UNLIMITED_BYTES,
                          floor_bytes=None)

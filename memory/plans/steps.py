@@ -20,6 +20,9 @@ class AdmissionQuery:
 
     model: str
     prompt_tokens: tuple[int, ...]
+    # A burst measured at once (`admission_batch_plan`): the bank's figures for these
+    # prompts too, in order, in `Snapshot.more_banks`.
+    more: tuple[AdmissionQuery, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class Snapshot:
     mlx_sampled_at: float | None = None  # when the oldest MLX sample used was taken
     # Admission only (Measure with a query):
     bank: BankFigures | None = None
+    more_banks: tuple[BankFigures, ...] = ()  # for AdmissionQuery.more, in order
     reserved_bytes: int = 0  # outstanding Admit reservations
     queue: QueueView | None = None
     pinned_sessions: tuple[str, ...] = ()

@@ -294,7 +294,7 @@ class GetMemoryStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetMemoryStatusResponse(_message.Message):
-    __slots__ = ("level", "readings", "limits", "models", "leases", "enforcer_enabled", "poll_interval", "admission")
+    __slots__ = ("level", "readings", "limits", "models", "leases", "enforcer_enabled", "poll_interval", "admission", "blas")
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     READINGS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +303,7 @@ class GetMemoryStatusResponse(_message.Message):
     ENFORCER_ENABLED_FIELD_NUMBER: _ClassVar[int]
     POLL_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    BLAS_FIELD_NUMBER: _ClassVar[int]
     level: _types_pb2.PressureLevel
     readings: _types_pb2.MemoryReadings
     limits: _types_pb2.MemoryLimits
@@ -311,7 +312,24 @@ class GetMemoryStatusResponse(_message.Message):
     enforcer_enabled: bool
     poll_interval: _duration_pb2.Duration
     admission: _types_pb2.AdmissionState
-    def __init__(self, level: _Optional[_Union[_types_pb2.PressureLevel, str]] = ..., readings: _Optional[_Union[_types_pb2.MemoryReadings, _Mapping]] = ..., limits: _Optional[_Union[_types_pb2.MemoryLimits, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., enforcer_enabled: _Optional[bool] = ..., poll_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., admission: _Optional[_Union[_types_pb2.AdmissionState, _Mapping]] = ...) -> None: ...
+    blas: BlasInfo
+    def __init__(self, level: _Optional[_Union[_types_pb2.PressureLevel, str]] = ..., readings: _Optional[_Union[_types_pb2.MemoryReadings, _Mapping]] = ..., limits: _Optional[_Union[_types_pb2.MemoryLimits, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., enforcer_enabled: _Optional[bool] = ..., poll_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., admission: _Optional[_Union[_types_pb2.AdmissionState, _Mapping]] = ..., blas: _Optional[_Union[BlasInfo, _Mapping]] = ...) -> None: ...
+
+class BlasInfo(_message.Message):
+    __slots__ = ("name", "version", "description", "threads", "optimized", "reason")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    description: str
+    threads: int
+    optimized: bool
+    reason: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., threads: _Optional[int] = ..., optimized: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("source", "state", "measured_bytes", "active_requests", "waiting_requests", "pinned", "context_length", "kv_bytes_per_token", "is_default", "batch_cap", "pending_unload", "store_cache_cap", "model_id", "last_used_time", "load_time")

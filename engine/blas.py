@@ -1,0 +1,372 @@
+"""Which BLAS MLX's CPU backend calls, chosen once, before `mlx.core` is loaded.
+
+The `mlx[cpu]` wheel for Linux links `libmlx.so` against the *reference* BLAS it bundles
+(mlx_cpu.libs/libblas-*.so.3): correct, single-threaded and slow (a 4096x4096 float32
+matrix-vector product takes ~9 ms, a 64-row one ~0.5 s on one core). MLX resolves its
+`cblas_sgemm` calls (and its LAPACK calls) through the dynamic linker, whose global scope
+is searched before a library's own dependencies. So an optimized BLAS loaded with
+RTLD_GLOBAL *before* `mlx.core` is imported takes those calls over, with no rebuild.
+
+`preload()` does that, once per process, and is called by `engine/__init__.py`, so it runs
+before any module of the engine package (the only one that imports MLX) and before any
+test or tool that goes through it. It does nothing when:
+
+- not on Linux, or not with the `mlx[cpu]` wheel (macOS uses Accelerate; `mlx[cuda]` and
+  builds from source are left exactly as they are);
+- `PLIMSOLL_BLAS=reference` (or `off`), or `--no-optimized-blas` on the command line (read
+  from `sys.argv` here, because the choice has to be made before argparse runs);
+- the `[blas]` extra is not installed (three `stat` calls: cheap);
+- `mlx.core` was already imported (its symbols may be bound: nothing is loaded, and the
+  state says why).
+
+The optimized BLAS is Intel oneMKL from PyPI's `mkl` wheel (`pip install 'plimsoll[blas]'`,
+Linux x86_64), through its single dynamic library `libmkl_rt`. `PLIMSOLL_BLAS=/path/to/lib.so`
+loads any other BLAS whose CBLAS symbols are not prefixed instead (for example Debian's
+`libopenblas0-pthread` on aarch64, where no such wheel exists on PyPI).
+
+Threads: as many as the process may run at once (`usable_cpus()`: the CPU affinity mask
+and the cgroup v1/v2 CPU quota, never `os.cpu_count()`), with MKL's OpenMP threads told
+not to spin after a call (`KMP_BLOCKTIME=0`): MLX's own work (bfloat16 and float16 matrix
+products, elementwise ops) and the server's event loop run on the same cores between BLAS
+calls. Every variable is only a default: one already set in the environment wins.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import math
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from importlib.util import find_spec
+
+log = logging.getLogger(__name__)
+
+ENV = "PLIMSOLL_BLAS"
+FLAG = "--no-optimized-blas"
+OFF_VALUES = frozenset({"reference", "off", "0", "false", "no", "none"})
+AUTO_VALUES = frozenset({"", "auto", "1", "on", "true", "yes"})
+# libmkl_rt's soname: .so.2 up to oneMKL 2025, .so.3 from 2026.
+MKL_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
+
+# MKL_Set_Threading_Layer / MKL_THREADING_LAYER values.
+_MKL_LAYERS = {0: "intel", 1: "sequential", 2: "pgi", 3: "gnu", 4: "tbb"}
+
+
+@dataclass(frozen=True)
+class BlasState:
+    """What MLX's CPU BLAS calls resolve to in this process."""
+
+    name: str  # "mkl" | "openblas" | "custom" | "reference" | "accelerate" | "default"
+    version: str  # the library's own version ("2026.2"), "" when unknown
+    description: str  # one line, no file paths
+    threads: int  # threads one BLAS call may use; 0 when unknown
+    optimized: bool  # an optimized BLAS was loaded ahead of MLX's own
+    reason: str  # why this one
+    path: str | None = None  # the loaded library (logs only; never sent on the wire)
+    problem: bool = False  # what was asked for could not be had (the server warns)
+
+    def summary(self) -> str:
+        threads = f", {self.threads} thread{'s' if self.threads != 1 else ''}" \
+            if self.threads else ""
+        return f"{self.description}{threads} ({self.reason})"
+
+
+_lock = threading.Lock()
+_state: BlasState | None = None
+_handle: ctypes.CDLL | None = None  # kept so the library is never unloaded
+
+
+def preload() -> BlasState:
+    """Load the optimized BLAS globally if it applies; idempotent, and cheap after the first
+    call. Never raises: a library that fails to load leaves the reference BLAS in place."""
+    global _state
+    if _state is not None:
+        return _state
+    with _lock:
+        if _state is None:
+            try:
+                _state = _choose()
+            except Exception as err:  # never break an import over a speed-up
+                _state = _reference(f"optimized BLAS not loaded: {err}", problem=True)
+    return _state
+
+
+def state() -> BlasState:
+    """The BLAS in use (preloading first if nothing has yet)."""
+    return preload()
+
+
+# --------------------------------------------------------------------------------------
+# the choice
+
+
+def _choose() -> BlasState:
+    if sys.platform == "darwin":
+        return BlasState("accelerate", "", "Apple Accelerate (linked by MLX)", 0, False,
+                         "macOS: MLX's own BLAS")
+    mlx_dir = _mlx_dir()
+    if sys.platform != "linux" or mlx_dir is None:
+        return BlasState("default", "", "MLX's own BLAS", 0, False, "left as is")
+    reference = _bundled_reference(mlx_dir)
+    if reference is None:  # mlx[cuda], or MLX built from source
+        return BlasState("default", "", "MLX's own BLAS", 0, False,
+                         "not the mlx[cpu] wheel: left as is")
+
+    setting = os.environ.get(ENV, "").strip()
+    if setting.lower() in OFF_VALUES:
+        return _reference(f"{ENV}={setting}", reference)
+    if FLAG in getattr(sys, "argv", [])[1:]:
+        return _reference(FLAG, reference)
+    if "mlx.core" in sys.modules:
+        return _reference("mlx.core was imported before the BLAS preload", reference,
+                          problem=True)
+
+    if setting.lower() in AUTO_VALUES or setting.lower() == "mkl":
+        path = find_mkl()
+        if path is None:
+            machine = os.uname().machine
+            why = ("the [blas] extra is not installed" if machine == "x86_64"
+                   else f"no optimized BLAS wheel for {machine}")
+            asked = setting.lower() == "mkl"
+            if asked:
+                why = f"{ENV}=mkl but libmkl_rt was not found"
+            return _reference(why, reference, problem=asked)
+        return _load(path, "the [blas] extra" if setting.lower() != "mkl" else f"{ENV}=mkl")
+    if os.sep in setting or setting.endswith((".so", ".dylib")) or ".so." in setting:
+        if not os.path.isfile(setting):
+            return _reference(f"{ENV}: no such file", reference, problem=True)
+        return _load(setting, f"{ENV}=<path>")
+    return _reference(f"{ENV}={setting} is not one of auto, reference, mkl or a path",
+                      reference, problem=True)
+
+
+def _mlx_dir() -> str | None:
+    """MLX's package folder, found without importing it."""
+    try:
+        spec = find_spec("mlx")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+def _bundled_reference(mlx_dir: str) -> str | None:
+    """The reference libblas the mlx[cpu] wheel bundles, or None for any other MLX."""
+    site = os.path.dirname(mlx_dir)
+    if glob.glob(os.path.join(site, "mlx_cuda*")):  # mlx[cuda] installed: hands off
+        return None
+    found = glob.glob(os.path.join(site, "mlx_cpu.libs", "libblas*.so*"))
+    return found[0] if found else None
+
+
+def find_mkl() -> str | None:
+    """libmkl_rt from the `mkl` wheel: it installs into <prefix>/lib, not site-packages."""
+    prefixes = [sys.prefix, sys.exec_prefix]
+    try:
+        import site
+
+        prefixes.append(site.getuserbase())  # pip install --user
+    except Exception:  # pragma: no cover - site is always there in CPython
+        pass
+    seen: set[str] = set()
+    for prefix in prefixes:
+        lib = os.path.join(prefix, "lib")
+        if lib in seen:
+            continue
+        seen.add(lib)
+        for name in MKL_NAMES:
+            path = os.path.join(lib, name)
+            if os.path.isfile(path):
+                return path
+        later = sorted(glob.glob(os.path.join(lib, "libmkl_rt.so.*")))  # a newer soname
+        if later:
+            return later[-1]
+    return None
+
+
+def _reference(reason: str, path: str | None = None, problem: bool = False) -> BlasState:
+    version = ""
+    if path:
+        # libblas-<hash>.so.3.10.0: netlib's version is the soname's tail.
+        tail = os.path.basename(path).split(".so.", 1)
+        version = tail[1] if len(tail) == 2 else ""
+    desc = f"reference BLAS {version} (netlib, bundled with mlx[cpu])".replace("  ", " ")
+    return BlasState("reference", version, desc, 1 if path else 0, False, reason, path,
+                     problem)
+
+
+# --------------------------------------------------------------------------------------
+# loading
+
+
+def _load(path: str, reason: str) -> BlasState:
+    global _handle
+    threads = usable_cpus()
+    # Intel OpenMP reads this when its first parallel region starts, which is later than
+    # the load: it has to stay in the environment (children inherit it, which is what
+    # they want too). Every other setting is made by a call, so that a child process
+    # works its own out.
+    os.environ.setdefault("KMP_BLOCKTIME", "0")
+    lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    if not hasattr(lib, "cblas_sgemm"):
+        # Too late to unload it safely; MLX would not find its symbols here anyway.
+        return _reference("the library has no cblas_sgemm: MLX keeps the reference BLAS",
+                          _bundled_reference(_mlx_dir() or ""), problem=True)
+    _handle = lib
+    if hasattr(lib, "MKL_Get_Max_Threads"):
+        return _mkl_state(lib, path, reason, threads)
+    if hasattr(lib, "openblas_get_config"):
+        lib.openblas_get_config.restype = ctypes.c_char_p
+        config = (lib.openblas_get_config() or b"").decode(errors="replace").strip()
+        if "OPENBLAS_NUM_THREADS" not in os.environ and hasattr(lib, "openblas_set_num_threads"):
+            lib.openblas_set_num_threads(ctypes.c_int(threads))
+        actual = lib.openblas_get_num_threads() if hasattr(lib, "openblas_get_num_threads") \
+            else 0
+        version = config.split()[1] if config.startswith("OpenBLAS ") else ""
+        return BlasState("openblas", version, config or "OpenBLAS", int(actual), True,
+                         reason, path)
+    return BlasState("custom", "", os.path.basename(path), 0, True, reason, path)
+
+
+# mkl_service.h
+_MKL_INTERFACE_LP64, _MKL_INTERFACE_GNU = 0, 2
+_MKL_THREADING = {"intel": 0, "sequential": 1, "pgi": 2, "gnu": 3, "tbb": 4}
+
+
+def _mkl_state(lib: ctypes.CDLL, path: str, reason: str, threads: int) -> BlasState:
+    # Both layers must be set before any other MKL call; a variable the user set wins.
+    if "MKL_INTERFACE_LAYER" not in os.environ:
+        # MLX's LAPACK calls (and the reference liblapack, built with gfortran) use the
+        # GNU Fortran convention for complex return values.
+        lib.MKL_Set_Interface_Layer(ctypes.c_int(_MKL_INTERFACE_LP64 | _MKL_INTERFACE_GNU))
+    layer = os.environ.get("MKL_THREADING_LAYER", "").strip().lower()
+    if not layer:
+        # Intel OpenMP comes with the wheel (intel-openmp); GNU's libgomp may be missing.
+        layer = "sequential" if threads == 1 else "intel"
+        got = lib.MKL_Set_Threading_Layer(ctypes.c_int(_MKL_THREADING[layer]))
+        layer = _MKL_LAYERS.get(got, layer)
+    if "MKL_NUM_THREADS" not in os.environ:
+        lib.MKL_Set_Num_Threads(ctypes.c_int(threads))
+    actual = int(lib.MKL_Get_Max_Threads())
+    version = ""
+    desc = "Intel oneMKL"
+    if hasattr(lib, "MKL_Get_Version_String"):
+        buf = ctypes.create_string_buffer(256)
+        lib.MKL_Get_Version_String(buf, len(buf))
+        text = buf.value.decode(errors="replace")
+        # "Intel(R) oneAPI Math Kernel Library Version 2026.2-Product Build 20260915 for ..."
+        marker = " Version "
+        if marker in text:
+            version = text.split(marker, 1)[1].split("-", 1)[0].split()[0]
+        desc = f"Intel oneMKL {version}".strip()
+    desc += f" ({layer} threading)"
+    return BlasState("mkl", version, desc, actual, True, reason, path)
+
+
+# --------------------------------------------------------------------------------------
+# how many CPUs the process may use
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on at once: its affinity mask, capped by the CPU quota of
+    its cgroup and every ancestor (v2 cpu.max, v1 cpu.cfs_quota_us / cpu.cfs_period_us),
+    rounded up. At least 1."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(_read("/proc/self/cgroup"), _read("/proc/self/mountinfo"),
+                             _read)
+    if quota is not None:
+        n = min(n, max(1, math.ceil(quota - 1e-9)))
+    return max(1, n)
+
+
+def cgroup_cpu_quota(proc_cgroup: str | None, mountinfo: str | None, read) -> float | None:
+    """The tightest CPU quota (in cores) on the process's cgroup and its ancestors, or None
+    when there is none. Pure over file contents: `read(path)` returns a file's text or None."""
+    limits: list[float] = []
+    mounts = _mounts(mountinfo or "")
+    for line in (proc_cgroup or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hier, controllers, path = parts
+        if hier == "0" and controllers == "":
+            for mount_point, root in _mount_points(mounts, "cgroup2", None):
+                for d in _dirs(mount_point, root, path):
+                    limits += _v2_limit(read(d + "/cpu.max"))
+        elif "cpu" in controllers.split(","):
+            for mount_point, root in _mount_points(mounts, "cgroup", "cpu"):
+                for d in _dirs(mount_point, root, path):
+                    limits += _v1_limit(read(d + "/cpu.cfs_quota_us"),
+                                        read(d + "/cpu.cfs_period_us"))
+    return min(limits) if limits else None
+
+
+def _v2_limit(text: str | None) -> list[float]:
+    fields = (text or "").split()
+    if len(fields) != 2 or fields[0] == "max":
+        return []
+    try:
+        quota, period = int(fields[0]), int(fields[1])
+    except ValueError:
+        return []
+    return [quota / period] if quota > 0 and period > 0 else []
+
+
+def _v1_limit(quota_text: str | None, period_text: str | None) -> list[float]:
+    try:
+        quota, period = int((quota_text or "").strip()), int((period_text or "").strip())
+    except ValueError:
+        return []
+    return [quota / period] if quota > 0 and period > 0 else []  # -1: no quota
+
+
+def _mounts(text: str) -> list[tuple[str, str, str, set[str]]]:
+    """(root, mount point, fstype, super options) per line of /proc/self/mountinfo."""
+    out = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, rest = left.split(), right.split()
+        if sep and len(fields) >= 5 and rest:
+            opts = set(rest[2].split(",")) if len(rest) > 2 else set()
+            out.append((fields[3], fields[4], rest[0], opts))
+    return out
+
+
+def _mount_points(mounts, fstype: str, controller: str | None) -> list[tuple[str, str]]:
+    found = [(m[1], m[0]) for m in mounts
+             if m[2] == fstype and (controller is None or controller in m[3])]
+    if found:
+        return found
+    default = "/sys/fs/cgroup" if controller is None else f"/sys/fs/cgroup/{controller}"
+    return [(default, "/")]
+
+
+def _dirs(mount_point: str, root: str, path: str) -> list[str]:
+    """The cgroup's directory under the mount, then each ancestor up to the mount."""
+    rel = path
+    root = root.rstrip("/")
+    if root and (path == root or path.startswith(root + "/")):
+        rel = path[len(root):]
+    d = os.path.normpath(mount_point + "/" + rel.lstrip("/"))
+    top = os.path.normpath(mount_point)
+    out = [d]
+    while d != top and d.startswith(top + "/"):
+        d = os.path.dirname(d)
+        out.append(d)
+    return out
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read(4096)
+    except OSError:
+        return None

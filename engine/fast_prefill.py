@@ -1,0 +1,462 @@
+"""Prefill through the optimized BLAS for bfloat16, float16 and quantized models on a CPU.
+
+MLX's CPU kernels for half-precision matrix products and for `quantized_matmul` do not
+call BLAS: on the `mlx[cpu]` wheel they run ~10x (bfloat16) to ~50x (4-bit, bfloat16
+activations) slower than a float32 product through the optimized BLAS engine/blas.py
+loads. This module keeps the weights in their stored format and, for prefill chunks only,
+converts ONE LAYER AT A TIME into float32:
+
+- a `Linear` (bf16/fp16 weight) is cast, a `QuantizedLinear` (affine) dequantized with
+  float32 scales (twice as fast as dequantizing to bf16 and casting, and exact), then
+  `x.astype(f32) @ W32.T` runs through `cblas_sgemm`; the result goes back in the model's
+  dtype and is evaluated at once, so the layer's float32 weight is freed before the next
+  layer converts its own (the transient is the largest layer, never the model);
+- attention of a prefill chunk (`mlx_lm.models.base.scaled_dot_product_attention`, as the
+  model's module calls it) runs on float32 queries, keys and values: MLX's CPU attention is
+  made of matrix products, which then go through BLAS too.
+
+Decode steps (one token per sequence) take the stock path, except that a quantized model
+may decode through `quantized_matmul` on float32 activations and scales (MLX's float32
+quantized kernel is ~10x faster than its bfloat16 one) when that measures faster on the
+model's own largest layer at load (`DECODE_MARGIN`). Dense half-precision decode is never
+converted: without a per-layer evaluation (which would stall the decode pipeline), every
+layer's float32 weight could be alive at once.
+
+It applies only where it wins: Linux, MLX on the CPU, an optimized BLAS loaded ahead of
+MLX, half-precision or quantized layers, and a chunk of at least `min_tokens` rows. The
+memory it adds is described by `memory.chunking.ConversionTransient`, computed once from
+the model's layers, and counted by admission's projection and the prefill guard.
+
+The wrapped layers are the model's own modules with their class swapped for a subclass
+(`_FastLinear`, `_FastQuantizedLinear`): parameters, names and `isinstance` stay as they
+were, and `FastPrefill.enabled` turns the fast path off at any step boundary.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models import base as _mlx_base
+
+from engine import blas
+from memory.chunking import ConversionTransient
+
+HALF = (mx.bfloat16, mx.float16)
+F32_BYTES = 4
+# Rows (tokens x sequences) from which a prefill chunk converts its layers. At 16 rows the
+# float32 path wins on every shape measured (512x1536 to 4096x4096, bf16 and 4-bit).
+DEFAULT_MIN_TOKENS = 16
+# The float32 decode of a quantized model is chosen when it takes under this fraction of
+# the stock time on the model's largest layer.
+DECODE_MARGIN = 0.8
+DECODE_REPEATS = 3
+
+DecodeMode = str  # "auto" | "stock" | "fp32"
+DECODE_MODES = ("auto", "stock", "fp32")
+
+_thread = threading.local()
+
+
+@dataclass
+class FastPrefill:
+    """One model's fast path: what was wrapped, what it costs, and the switch.
+
+    Holds no reference to the model (its layers hold this)."""
+
+    enabled: bool  # the prefill fast path
+    reason: str  # why it is on or off, one line for the log
+    min_tokens: int = DEFAULT_MIN_TOKENS
+    decode_fp32: bool = False  # quantized layers decode on float32 activations
+    decode_reason: str = "stock"
+    layers: int = 0  # wrapped Linear / QuantizedLinear modules
+    dtype: str = ""  # "bfloat16", "float16", "4-bit", ... (what was found)
+    transient: ConversionTransient = field(default_factory=ConversionTransient)
+    decode_ms: tuple[float, float] | None = None  # (stock, fp32) on the largest layer
+    # The wrapped layers, weakly: a plan kept after its model went never keeps it alive.
+    wrapped: list[weakref.ref] = field(default_factory=list, repr=False)
+
+    @property
+    def prefill_transient(self) -> ConversionTransient | None:
+        """The transient admission counts; None while the fast path is off."""
+        return self.transient if self.enabled else None
+
+    def bind_thread(self) -> None:
+        """Attention of prefill chunks on this thread runs in float32 (the engine thread
+        that owns the model; `install` binds the calling thread)."""
+        _thread.plan = self
+
+    def summary(self) -> str:
+        if not self.layers:
+            return f"fast prefill off ({self.reason})"
+        state = "on" if self.enabled else "off"
+        return (f"fast prefill {state} ({self.reason}): {self.layers} {self.dtype} layers, "
+                f"largest conversion {self.transient.weight_bytes / (1 << 20):.1f} MiB, "
+                f"from {self.min_tokens} tokens; decode {self.decode_reason}")
+
+
+# -- the wrapped layers ---------------------------------------------------------------
+
+
+def _prefill_rows(x: mx.array, plan: FastPrefill) -> bool:
+    """A prefill chunk: (batch, tokens > 1, features) with enough rows."""
+    if not plan.enabled or x.ndim < 3 or x.shape[-2] < 2:
+        return False
+    return x.size // max(1, x.shape[-1]) >= plan.min_tokens
+
+
+def _product(x: mx.array, w32: mx.array, bias: mx.array | None) -> mx.array:
+    """x @ w32.T (+ bias) in float32 through BLAS, back in x's dtype, evaluated now so
+    `w32` is freed before the next layer converts its weight."""
+    x32 = x.astype(mx.float32)
+    y = x32 @ w32.T if bias is None else mx.addmm(bias.astype(mx.float32), x32, w32.T)
+    y = y.astype(x.dtype)
+    mx.eval(y)
+    return y
+
+
+class _FastLinear(nn.Linear):
+    _fast_prefill: FastPrefill
+
+    def __call__(self, x: mx.array) -> mx.array:
+        plan = self._fast_prefill
+        w = self["weight"]
+        if x.dtype == w.dtype and _prefill_rows(x, plan):
+            return _product(x, w.astype(mx.float32), self.get("bias"))
+        return nn.Linear.__call__(self, x)
+
+
+class _FastQuantizedLinear(nn.QuantizedLinear):
+    _fast_prefill: FastPrefill
+
+    def __call__(self, x: mx.array) -> mx.array:
+        plan = self._fast_prefill
+        scales = self["scales"]
+        if x.dtype != scales.dtype or self.mode != "affine":
+            return nn.QuantizedLinear.__call__(self, x)
+        if _prefill_rows(x, plan):
+            w32 = mx.dequantize(self["weight"], scales.astype(mx.float32),
+                                self["biases"].astype(mx.float32), self.group_size,
+                                self.bits)
+            return _product(x, w32, self.get("bias"))
+        if plan.decode_fp32:
+            y = mx.quantized_matmul(x.astype(mx.float32), self["weight"],
+                                    scales.astype(mx.float32),
+                                    self["biases"].astype(mx.float32), transpose=True,
+                                    group_size=self.group_size, bits=self.bits)
+            if "bias" in self:
+                y = y + self["bias"].astype(mx.float32)
+            return y.astype(x.dtype)
+        return nn.QuantizedLinear.__call__(self, x)
+
+
+_FAST_CLASSES: dict[type, type] = {nn.Linear: _FastLinear, nn.QuantizedLinear: _FastQuantizedLinear}
+_STOCK_CLASSES = {v: k for k, v in _FAST_CLASSES.items()}
+
+
+# -- attention ------------------------------------------------------------------------
+#
+# Once the products go through BLAS, a prefill chunk's time goes to MLX's CPU elementwise
+# kernels, which are scalar on x86: exp at ~90 M elements/s, so the softmax over
+# (heads x chunk x prompt) attention scores takes most of it. NumPy's SIMD exp is ~20x
+# faster, and an evaluated MLX array is a zero-copy NumPy view (buffer protocol), so for a
+# prefill chunk the softmax runs in NumPy, in place on the float32 scores this module
+# just made (never on an array anyone else holds): the same float32 maths as MLX's
+# precise softmax (max |difference| ~5e-7 without the half-precision rounding).
+
+_stock_sdpa: Callable[..., mx.array] = _mlx_base.scaled_dot_product_attention
+
+
+def _prefill_plan(x: mx.array, rows_axis: int) -> FastPrefill | None:
+    """The bound thread's plan when `x` belongs to a prefill chunk, else None."""
+    plan: FastPrefill | None = getattr(_thread, "plan", None)
+    if plan is None or not plan.enabled or x.dtype not in HALF or x.ndim < 3:
+        return None
+    tokens = x.shape[rows_axis]
+    if tokens < 2 or x.shape[0] * tokens < plan.min_tokens:
+        return None
+    return plan
+
+
+def _round_half(a: np.ndarray, dtype: mx.Dtype) -> None:
+    """Rounds a float32 array, in place, to the nearest `dtype` (bf16/fp16) value: where
+    the stock path holds a half-precision intermediate, so does this one."""
+    if dtype == mx.float16:
+        np.copyto(a, a.astype(np.float16))
+        return
+    bits = a.view(np.uint32)  # bfloat16: round to nearest even on the top 16 bits
+    bits += np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))
+    bits &= np.uint32(0xFFFF0000)
+
+
+def _attention_f32(q: mx.array, k: mx.array, v: mx.array, mask: Any,
+                   half: mx.Dtype) -> mx.array:
+    """softmax(q k^T + mask) v for scaled float32 (B, H, L, D) queries and (B, KV, S, D)
+    keys and values: the products through BLAS, the softmax in NumPy, in place. The scores
+    and the probabilities are rounded to `half` where MLX's own half-precision attention
+    rounds them, so the two differ only by the products' summation order."""
+    b, h, n, d = q.shape
+    kv, s_len = k.shape[1], k.shape[2]
+    rep = h // kv
+    # Heads h = g * rep + r share key head g (MLX's own grouping).
+    scores = q.reshape(b, kv, rep * n, d) @ k.swapaxes(-1, -2)
+    mx.eval(scores, *([mask] if isinstance(mask, mx.array) else []))
+    s = np.array(scores, copy=False).reshape(b, kv, rep, n, s_len)
+    _round_half(s, half)
+    if isinstance(mask, str):  # "causal": query i sees keys up to i + (S - L)
+        future = np.arange(s_len)[None, :] > np.arange(s_len - n, s_len)[:, None]
+        np.copyto(s, np.float32(-np.inf), where=future)
+    elif mask is not None:
+        m = np.array(mask, copy=False)
+        # (L, S), (1, L, S) or (B | 1, 1, L, S) (`_numpy_mask_ok`) -> broadcast over s.
+        m = m.reshape(m.shape[0], 1, 1, n, s_len) if m.ndim == 4 else m.reshape(n, s_len)
+        if m.dtype == np.bool_:
+            np.copyto(s, np.float32(-np.inf), where=~m)
+        else:
+            s += m.astype(np.float32, copy=False)
+            _round_half(s, half)
+    top = s.max(axis=-1, keepdims=True)
+    np.copyto(top, np.float32(0), where=~np.isfinite(top))  # a row with every key masked
+    np.subtract(s, top, out=s)
+    np.exp(s, out=s)
+    total = s.sum(axis=-1, keepdims=True)
+    np.copyto(total, np.float32(1), where=total == 0)
+    np.divide(s, total, out=s)
+    _round_half(s, half)
+    return (scores @ v).reshape(b, h, n, d)
+
+
+def _numpy_mask_ok(mask: Any, q: mx.array, s_len: int) -> bool:
+    if mask is None or (isinstance(mask, str) and mask == "causal"):
+        return True
+    if not isinstance(mask, mx.array) or mask.shape[-2:] != (q.shape[2], s_len):
+        return False
+    if mask.ndim == 4:
+        return mask.shape[1] == 1 and mask.shape[0] in (1, q.shape[0])
+    return mask.ndim == 2 or mask.ndim == 3 and mask.shape[0] == 1
+
+
+def _sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
+    """mlx-lm's attention; a prefill chunk on a bound thread runs it in float32."""
+    if (queries.ndim != 4 or hasattr(cache, "bits") or kwargs
+            or _prefill_plan(queries, 2) is None):
+        return _stock_sdpa(queries, keys, values, cache, scale, mask, sinks, **kwargs)
+    f32 = mx.float32
+    k, v = keys.astype(f32), values.astype(f32)
+    if isinstance(mask, mx.array) and mask.dtype in HALF:
+        mask = mask.astype(f32)  # additive, and NumPy has no bfloat16
+    if (sinks is None and queries.shape[1] % keys.shape[1] == 0
+            and _numpy_mask_ok(mask, queries, keys.shape[2])):
+        # The scaling in the queries' dtype, as MLX's own attention does it.
+        q = (queries * mx.array(scale, dtype=queries.dtype)).astype(f32)
+        out = _attention_f32(q, k, v, mask, queries.dtype)
+    else:
+        q = queries.astype(f32)
+        out = _stock_sdpa(q, k, v, cache, scale, mask,
+                          sinks.astype(f32) if sinks is not None else None)
+    return out.astype(queries.dtype)
+
+
+_PATCHES = (("scaled_dot_product_attention", _stock_sdpa, _sdpa),)
+
+
+def _patch_modules(model: nn.Module) -> int:
+    """Points the model's modules' `scaled_dot_product_attention` at `_sdpa`; idempotent.
+    Outside a bound thread's prefill chunk it is mlx-lm's own."""
+    names = {type(model).__module__}
+    names.update(type(m).__module__ for _, m in model.named_modules())
+    patched = 0
+    for name in names:
+        mod = sys.modules.get(name)
+        if mod is None:
+            continue
+        for attr, stock, ours in _PATCHES:
+            current = getattr(mod, attr, None)
+            if current is stock:
+                setattr(mod, attr, ours)
+                patched += 1
+            elif current is ours:
+                patched += 1
+    return patched
+
+
+# -- deciding and installing ------------------------------------------------------------
+
+
+def environment_reason() -> str | None:
+    """Why this process cannot use the fast path, or None when it can."""
+    if sys.platform != "linux":
+        return f"not Linux ({sys.platform})"
+    try:
+        if mx.default_device().type != mx.DeviceType.cpu:
+            return "MLX runs on an accelerator"
+    except Exception:  # noqa: BLE001 - no device query: treat as not a CPU
+        return "MLX's device is unknown"
+    state = blas.state()
+    if not state.optimized:
+        return f"no optimized BLAS ({state.reason})"
+    return None
+
+
+def _candidates(model: nn.Module) -> list[nn.Module]:
+    """Linear and affine QuantizedLinear layers of the transformer blocks (never the
+    embedding or the LM head: a prefill never evaluates the head's logits, and a
+    per-layer evaluation would make it)."""
+    blocks = getattr(model, "layers", None)
+    if not isinstance(blocks, (list, tuple)) or not blocks:
+        return []
+    found = []
+    for block in blocks:
+        if not isinstance(block, nn.Module):
+            continue
+        for _, m in block.named_modules():
+            kind = _STOCK_CLASSES.get(type(m), type(m))
+            dense = kind is nn.Linear and m["weight"].dtype in HALF
+            quantized = (kind is nn.QuantizedLinear and m.mode == "affine"
+                         and m["scales"].dtype in HALF and "biases" in m)
+            if dense or quantized:
+                found.append(m)
+    return found
+
+
+def _shape(m: nn.Module) -> tuple[int, int]:
+    """(out, in) of a layer, unpacked for a quantized one."""
+    if _STOCK_CLASSES.get(type(m), type(m)) is nn.QuantizedLinear:
+        return m["scales"].shape[0], m["scales"].shape[-1] * m.group_size
+    return m["weight"].shape[0], m["weight"].shape[-1]
+
+
+def _weight_fp32_bytes(m: nn.Module) -> int:
+    """A layer's conversion at its peak: the float32 weight; for a quantized layer twice
+    that (MLX's CPU dequantize holds a temporary as large as its output: measured 20.3 MiB
+    for a 10 MiB result) plus the float32 scales and biases."""
+    out, inp = _shape(m)
+    weight = out * inp * F32_BYTES
+    if _STOCK_CLASSES.get(type(m), type(m)) is nn.QuantizedLinear:
+        return 2 * weight + 2 * m["scales"].size * F32_BYTES
+    return weight
+
+
+def transient_for(layers: list[nn.Module], kv_bytes_per_token: int, num_layers: int,
+                  kv_dtype_bytes: int) -> ConversionTransient:
+    """The prefill transient of converting these layers, from their shapes."""
+    if not layers:
+        return ConversionTransient()
+    shapes = [_shape(m) for m in layers]
+    weight = max(_weight_fp32_bytes(m) for m in layers)
+    # A layer's float32 input and output, and as much again for attention's queries and
+    # output (never wider than the widest layer's sides).
+    chunk = 2 * max(o + i for o, i in shapes) * F32_BYTES
+    per_layer_kv = kv_bytes_per_token // max(1, num_layers)
+    prompt = per_layer_kv * F32_BYTES // max(1, kv_dtype_bytes)
+    return ConversionTransient(weight, chunk, prompt)
+
+
+def _dtype_name(layers: list[nn.Module]) -> str:
+    kinds = set()
+    for m in layers:
+        if _STOCK_CLASSES.get(type(m), type(m)) is nn.QuantizedLinear:
+            kinds.add(f"{m.bits}-bit")
+        else:
+            kinds.add(str(m["weight"].dtype).removeprefix("mlx.core."))
+    return "/".join(sorted(kinds))
+
+
+def _time_ms(fn: Callable[[], mx.array], repeats: int) -> float:
+    mx.eval(fn())  # warm
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(fn())
+        best = min(best, time.perf_counter() - t)
+    return best * 1000
+
+
+def measure_decode(layers: list[nn.Module], plan: FastPrefill,
+                   repeats: int = DECODE_REPEATS) -> tuple[float, float] | None:
+    """(stock ms, float32 ms) of one decode row through the largest quantized layer, or
+    None when the model has none (dense half layers always decode stock)."""
+    quantized = [m for m in layers
+                 if _STOCK_CLASSES.get(type(m), type(m)) is nn.QuantizedLinear]
+    if not quantized:
+        return None
+    m = max(quantized, key=lambda q: _shape(q)[0] * _shape(q)[1])
+    x = mx.ones((1, 1, _shape(m)[1]), dtype=m["scales"].dtype)
+    saved = plan.decode_fp32
+    try:
+        plan.decode_fp32 = False
+        stock = _time_ms(lambda: m(x), repeats)
+        plan.decode_fp32 = True
+        fp32 = _time_ms(lambda: m(x), repeats)
+    finally:
+        plan.decode_fp32 = saved
+        mx.clear_cache()
+    return stock, fp32
+
+
+def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT_MIN_TOKENS,
+            decode: DecodeMode = "auto", kv_bytes_per_token: int = 0,
+            kv_dtype_bytes: int = 2) -> FastPrefill:
+    """Decide for this model and wrap its layers; binds the calling thread (the one that
+    will run the model). Nothing is wrapped when the environment or the model do not
+    qualify, or when `enabled` is False (the stock path, exactly)."""
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
+    if not enabled:
+        return FastPrefill(False, "turned off by the settings")
+    why = environment_reason()
+    if why is not None:
+        return FastPrefill(False, why)
+    layers = _candidates(model)
+    if not layers:
+        return FastPrefill(False, "no bfloat16, float16 or quantized layers")
+    blocks = len(getattr(model, "layers", ()))
+    plan = FastPrefill(
+        True, f"{blas.state().name} BLAS on a Linux CPU", min_tokens=max(2, min_tokens),
+        layers=len(layers), dtype=_dtype_name(layers),
+        transient=transient_for(layers, kv_bytes_per_token, blocks, kv_dtype_bytes))
+    for m in layers:
+        m._fast_prefill = plan
+        m.__class__ = _FAST_CLASSES[_STOCK_CLASSES.get(type(m), type(m))]
+    plan.wrapped = [weakref.ref(m) for m in layers]
+    _patch_modules(model)
+    plan.bind_thread()
+    if decode == "fp32":
+        plan.decode_fp32 = any(isinstance(m, _FastQuantizedLinear) for m in layers)
+        plan.decode_reason = "float32 (set)" if plan.decode_fp32 else "stock (no quantized layers)"
+    elif decode == "auto":
+        timing = measure_decode(layers, plan)
+        plan.decode_ms = timing
+        if timing is None:
+            plan.decode_reason = "stock (dense layers)"
+        else:
+            stock, fp32 = timing
+            plan.decode_fp32 = fp32 < DECODE_MARGIN * stock
+            plan.decode_reason = (f"{'float32' if plan.decode_fp32 else 'stock'} "
+                                  f"(measured {stock:.2f} ms stock, {fp32:.2f} ms float32)")
+    else:
+        plan.decode_reason = "stock (set)"
+    return plan
+
+
+def uninstall(plan: FastPrefill) -> None:
+    """Gives the wrapped layers their stock classes back."""
+    for ref in plan.wrapped:
+        m = ref()
+        stock = _STOCK_CLASSES.get(type(m))
+        if stock is not None:
+            m.__class__ = stock
+            m.__dict__.pop("_fast_prefill", None)
+    plan.wrapped = []
+    plan.enabled = False
+    plan.decode_fp32 = False
+    if getattr(_thread, "plan", None) is plan:
+        _thread.plan = None

@@ -1,0 +1,254 @@
+"""The optimized BLAS under MLX (engine/blas.py, issue 10).
+
+With the `[blas]` extra (oneMKL, Linux x86_64) MLX's float32 matrix products go to MKL,
+loaded before `mlx.core`; `--no-optimized-blas` / PLIMSOLL_BLAS=reference keep MLX's
+bundled reference BLAS. Either way greedy decoding gives the same tokens, and the logits
+agree within LOGITS_ATOL (measured: ~7e-6 on float32 demo models whose logits reach ~3;
+exactly 0 on bfloat16 ones, which never call the BLAS). Each BLAS needs its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from engine import blas
+from engine.demo_models import ensure_demo_model
+from plimsoll.v1 import control_pb2, inference_pb2
+from tools.bench_blas import LOGITS_ATOL, compare_greedy
+from tools.harness.server import ROOT, serving
+
+HAVE_MKL = sys.platform == "linux" and blas.find_mkl() is not None
+needs_mkl = pytest.mark.skipif(not HAVE_MKL, reason="needs the [blas] extra (Linux x86_64)")
+# What this process chose must not leak into the children's choice.
+_OURS = ("PLIMSOLL_BLAS", "MKL_NUM_THREADS", "MKL_THREADING_LAYER", "MKL_INTERFACE_LAYER")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _OURS}
+    return env | extra
+
+
+def _python(code: str, env: dict[str, str] | None = None, **kw) -> str:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+                          env=env or _env(), capture_output=True, text=True, timeout=120,
+                          **kw)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+_STATE = """
+    import json, dataclasses
+    from engine import blas
+    print(json.dumps(dataclasses.asdict(blas.state())))
+"""
+
+
+def _state(env: dict[str, str] | None = None, args: tuple[str, ...] = (), **kw) -> dict:
+    code = textwrap.dedent(_STATE)
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env or _env(),
+                          capture_output=True, text=True, timeout=60, **kw)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+# -- which BLAS, and why ---------------------------------------------------------------------
+@needs_mkl
+def test_mlx_binds_its_blas_and_lapack_calls_to_mkl_only_when_on(tmp_path):
+    """The dynamic linker's own word: libmlx.so's cblas_sgemm (and a LAPACK routine) bind to
+    libmkl_rt with the extra, to the bundled reference BLAS with PLIMSOLL_BLAS=reference."""
+    code = """
+        import engine, mlx.core as mx
+        a = mx.random.normal((64, 64))
+        with mx.stream(mx.cpu):
+            mx.eval(a @ a, mx.linalg.inv(a))
+    """
+    for setting, want in (("auto", "libmkl_rt"), ("reference", "libblas")):
+        out = tmp_path / setting
+        _python(code, _env(PLIMSOLL_BLAS=setting, LD_DEBUG="bindings",
+                           LD_DEBUG_OUTPUT=str(out)))
+        text = "".join(p.read_text(errors="replace") for p in tmp_path.glob(f"{setting}.*"))
+        sgemm = [ln for ln in text.splitlines()
+                 if "libmlx.so" in ln and "`cblas_sgemm'" in ln]
+        assert sgemm and all(want in ln for ln in sgemm), (setting, sgemm)
+        if setting == "auto":
+            assert any("libmlx.so" in ln and "`sgetrf_'" in ln and "libmkl_rt" in ln
+                       for ln in text.splitlines())
+
+
+@needs_mkl
+def test_state_follows_the_switches():
+    on = _state()
+    assert (on["name"], on["optimized"], on["reason"]) == ("mkl", True, "the [blas] extra")
+    assert on["version"] and on["threads"] == blas.usable_cpus()
+    assert "/" not in on["description"]
+
+    off = _state(_env(PLIMSOLL_BLAS="reference"))
+    assert (off["name"], off["optimized"], off["threads"]) == ("reference", False, 1)
+    assert off["reason"] == "PLIMSOLL_BLAS=reference" and not off["problem"]
+    # The flag is read off the command line, before argparse and before mlx.core.
+    flag = _state(args=(blas.FLAG,))
+    assert (flag["name"], flag["reason"]) == ("reference", blas.FLAG)
+
+    bad = _state(_env(PLIMSOLL_BLAS="/nonexistent/libblas.so"))
+    assert bad["name"] == "reference" and bad["problem"]
+
+
+@needs_mkl
+def test_mlx_imported_first_keeps_the_reference_and_says_so():
+    out = _python("""
+        import json, dataclasses, mlx.core
+        from engine import blas
+        print(json.dumps(dataclasses.asdict(blas.state())))
+    """)
+    got = json.loads(out)
+    assert got["name"] == "reference" and got["problem"]
+    assert "imported before" in got["reason"]
+
+
+@needs_mkl
+def test_threads_follow_the_affinity_mask():
+    one = _state(preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
+    assert one["threads"] == 1 and "sequential" in one["description"]
+    assert _state(_env(MKL_NUM_THREADS="1"))["threads"] == 1  # the user's variable wins
+
+
+def test_macos_and_other_mlx_builds_are_left_alone(tmp_path, monkeypatch):
+    """No loading at all: macOS keeps Accelerate; mlx[cuda] (or a source build, with no
+    bundled reference BLAS) keeps whatever it links."""
+    site = tmp_path / "site-packages"
+    (site / "mlx").mkdir(parents=True)
+    (site / "mlx_cpu.libs").mkdir()
+    (site / "mlx_cpu.libs" / "libblas-0123abcd.so.3.10.0").touch()
+    monkeypatch.setattr(blas, "_mlx_dir", lambda: str(site / "mlx"))
+    monkeypatch.setattr(blas, "_load", lambda *a: pytest.fail("nothing may be loaded"))
+    monkeypatch.delenv(blas.ENV, raising=False)
+    monkeypatch.setattr(blas, "find_mkl", lambda: None)
+    monkeypatch.delitem(sys.modules, "mlx.core", raising=False)  # as in a fresh process
+    got = blas._choose()  # mlx[cpu] without the extra
+    assert (got.name, got.version) == ("reference", "3.10.0")
+    assert got.reason in ("the [blas] extra is not installed",
+                          f"no optimized BLAS wheel for {os.uname().machine}")
+    (site / "mlx_cuda_12-0.32.4.dist-info").mkdir()
+    monkeypatch.setattr(blas, "find_mkl", lambda: "/somewhere/libmkl_rt.so.3")
+    assert (blas._choose().name, blas._choose().optimized) == ("default", False)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert blas._choose().name == "accelerate"
+
+
+def test_cgroup_cpu_quota_v1_v2_and_ancestors():
+    quota = blas.cgroup_cpu_quota
+    files = {
+        "/sys/fs/cgroup/kubepods/pod1/cpu.max": "max 100000\n",
+        "/sys/fs/cgroup/kubepods/cpu.max": "150000 100000\n",
+        "/sys/fs/cgroup/cpu.max": None,
+    }
+    v2_mounts = "30 23 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"
+    # The limit on an ancestor binds a child that has none of its own.
+    assert quota("0::/kubepods/pod1\n", v2_mounts, files.get) == 1.5
+    assert quota("0::/\n", v2_mounts, {"/sys/fs/cgroup/cpu.max": "max 100000"}.get) is None
+
+    v1_mounts = ("32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+                 "35 31 0:32 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n")
+    v1 = {"/sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_quota_us": "50000\n",
+          "/sys/fs/cgroup/cpu,cpuacct/docker/abc/cpu.cfs_period_us": "100000\n",
+          "/sys/fs/cgroup/cpu,cpuacct/docker/cpu.cfs_quota_us": "-1\n",
+          "/sys/fs/cgroup/cpu,cpuacct/docker/cpu.cfs_period_us": "100000\n"}
+    assert quota("4:cpu,cpuacct:/docker/abc\n3:memory:/docker/abc\n", v1_mounts,
+                 v1.get) == 0.5
+    # A namespaced view: the mount's root is the process's own cgroup.
+    ns_mounts = "32 31 0:29 /docker/abc /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n"
+    ns = {"/sys/fs/cgroup/cpu/cpu.cfs_quota_us": "200000",
+          "/sys/fs/cgroup/cpu/cpu.cfs_period_us": "100000"}
+    assert quota("2:cpu:/docker/abc\n", ns_mounts, ns.get) == 2.0
+    assert quota(None, None, files.get) is None
+
+
+# -- same results --------------------------------------------------------------------------
+@needs_mkl
+def test_greedy_tokens_identical_and_logits_close_in_process():
+    """Two worker processes, one per BLAS: tiny (float32), small (bfloat16) and a float32
+    copy of small; every greedy token equal, every step's logits within LOGITS_ATOL."""
+    got = compare_greedy(["tiny", "small", "small-float32"], max_tokens=8)
+    assert got["blas"]["optimized"]["name"] == "mkl"
+    assert got["blas"]["reference"]["name"] == "reference"
+    for name, r in got["models"].items():
+        assert r["tokens_identical"], name
+        assert r["max_abs_diff"] <= LOGITS_ATOL, (name, r)
+    assert got["models"]["small"]["max_abs_diff"] == 0.0  # bfloat16 never calls the BLAS
+
+
+@needs_mkl
+def test_server_reports_its_blas_and_the_flag_gives_the_same_tokens(tmp_path, demo_path):
+    """`plimsoll serve` with the optimized BLAS and with --no-optimized-blas, on tiny
+    (float32) and small (bfloat16, whose prefill may go through float32 and the BLAS:
+    engine/fast_prefill.py): each reports its BLAS (status and log line), and greedy
+    Generate streams the same tokens on both."""
+    small = ensure_demo_model("small")
+    prompts = ["Once upon a time, in a small village by the sea, there lived an old "
+               "fisherman and his daughter.", "The quick brown fox", "def fibonacci(n):"]
+    answers = {}
+    for args in ((), (blas.FLAG,)):
+        with serving(tmp_path, "--model", str(demo_path), "--model", str(small), *args,
+                     env=_env()) as srv, srv.stubs() as (control, inference):
+            info = control.GetMemoryStatus(control_pb2.GetMemoryStatusRequest(),
+                                           timeout=30).blas
+            models = [m.model_id for m in control.ListModels(
+                control_pb2.ListModelsRequest(), timeout=30).models]
+            assert len(models) == 2, models
+            answers[args] = {m: [_tokens(inference, m, p) for p in prompts] for m in models}
+            log = srv.log()
+        if args:
+            assert (info.name, info.optimized, info.threads) == ("reference", False, 1)
+            assert info.reason == blas.FLAG
+        else:
+            assert (info.name, info.optimized) == ("mkl", True)
+            assert info.threads == blas.usable_cpus() and info.version
+        assert f"BLAS: {info.description}" in log
+    assert answers[()] == answers[(blas.FLAG,)]
+    assert all(len(t) == 24 for seqs in answers[()].values() for t in seqs)
+
+
+def _tokens(inference, model_id: str, prompt: str) -> list[int]:
+    req = inference_pb2.GenerateRequest(model_id=model_id, text=prompt, max_tokens=24,
+                                        ignore_eos=True,
+                                        sampling=inference_pb2.SamplingParams(temperature=0))
+    return [t for m in inference.Generate(req, timeout=60)
+            if m.WhichOneof("event") == "chunk" for t in m.chunk.token_ids]
+
+
+# -- memory --------------------------------------------------------------------------------
+@needs_mkl
+def test_mkl_buffers_count_in_the_process_reading():
+    """MKL's own buffers (MKL_Mem_Stat) land in RSS, which process_bytes includes
+    (max(MLX active, RSS)): a cblas_sgemm on host arrays, no MLX allocation involved."""
+    out = _python("""
+        import ctypes, json
+        import numpy as np
+        from engine import blas
+        from memory.readings import MemoryReader
+        lib = ctypes.CDLL(blas.state().path)
+        lib.MKL_Mem_Stat.restype = ctypes.c_int64
+        n = ctypes.c_int()
+        a = np.ones((512, 2048), np.float32); b = np.ones((2048, 2048), np.float32)
+        c = np.zeros((512, 2048), np.float32)
+        reader = MemoryReader(probe_device=False)
+        before, mkl_before = reader.read(), lib.MKL_Mem_Stat(ctypes.byref(n))
+        p = ctypes.c_void_p
+        lib.cblas_sgemm(101, 111, 111, 512, 2048, 2048, ctypes.c_float(1.0),
+                        p(a.ctypes.data), 2048, p(b.ctypes.data), 2048, ctypes.c_float(0.0),
+                        p(c.ctypes.data), 2048)
+        after, mkl_after = reader.read(), lib.MKL_Mem_Stat(ctypes.byref(n))
+        assert c[0, 0] == 2048.0
+        print(json.dumps({"mkl": mkl_after - mkl_before,
+                          "footprint": after.footprint_bytes - before.footprint_bytes,
+                          "process": after.process_bytes - before.process_bytes}))
+    """)
+    got = json.loads(out)
+    assert got["mkl"] > 1 << 20, got  # MKL packs into buffers of its own
+    assert got["footprint"] >= got["mkl"] and got["process"] >= got["mkl"], got
