@@ -231,6 +231,9 @@ class PlimsollServer:
         self.web: WebDashboard | None = None  # with http_port
         self._stopped = asyncio.Event()
         self._cut_now = asyncio.Event()
+        # Inference is not ready while the models named at start load, even once the
+        # first has: a client told SERVING may name any of them.
+        self._loading_initial_models = False
 
     async def start(self) -> int:
         setup(self.config.telemetry)
@@ -287,22 +290,30 @@ class PlimsollServer:
                                              self.config.http_port)
 
     async def load_initial_models(self) -> None:
+        self._loading_initial_models = True
+        try:
+            await self._load_initial_models()
+        finally:
+            self._loading_initial_models = False
+        self._on_pool_change()
+
+    async def _load_initial_models(self) -> None:
         sources = list(self.config.models)
         if not sources:
             path = await run_in_own_thread(
                 ensure_demo_model, self.config.demo_size, self.config.cache_dir
             )
             await self.service.pool.load(str(path), f"demo-{self.config.demo_size}", default=True)
-            return
         for i, source in enumerate(sources):
             await self.service.pool.load(source, default=(i == 0))
 
     def _on_pool_change(self) -> None:
         if self.service is None or self.service.draining:
             return
-        # Inference serves once its default model does: a request naming no model
-        # would be refused until then.
-        state = SERVING if _default_ready(self.service.pool) else NOT_SERVING
+        # Inference serves once the models named at start have loaded and while its
+        # default model is ready: a request naming no model would be refused otherwise.
+        ready = not self._loading_initial_models and _default_ready(self.service.pool)
+        state = SERVING if ready else NOT_SERVING
         for name in ("", INFERENCE):
             asyncio.ensure_future(self.health.set(name, state))
 

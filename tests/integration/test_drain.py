@@ -216,6 +216,31 @@ async def test_health_follows_the_default_model_and_lists(demo_path):
         await server.drain()
 
 
+async def test_health_waits_for_every_model_named_at_start(demo_path):
+    """`serve --model a --model b`: SERVING only once both have loaded (a client told
+    SERVING may name either), not as soon as the first, the default, has."""
+    small = ensure_demo_model("small")
+    server = PlimsollServer(ServerConfig(port=0, models=(str(demo_path), str(small))))
+    port = await server.start()
+    seen: list[tuple[int, tuple[str, ...]]] = []
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            loading = asyncio.ensure_future(server.load_initial_models())
+            while True:
+                r = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+                states = tuple(e.state.name for e in server.service.pool.entries())
+                seen.append((r.status, states))
+                if loading.done() and r.status == SERVING:
+                    break
+                await asyncio.sleep(0.005)
+            await loading
+    finally:
+        await server.drain()
+    assert any(len(st) == 2 and "READY" in st and "LOADING" in st for _, st in seen), seen
+    assert all(st == ("READY", "READY") for status, st in seen if status == SERVING), seen
+
+
 async def asyncio_settle() -> None:
     """Lets the health updates the pool listener scheduled run."""
     for _ in range(3):
