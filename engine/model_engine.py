@@ -184,12 +184,14 @@ FinishHook = Callable[[GenerationRequest, list[Any], list[int]], None]
 class PrefillPlanner(Protocol):
     """Sizes prefill chunks against the memory ceiling (set by the service)."""
 
-    def plan(self, mlx_active_bytes: int, remaining_tokens: int) -> tuple[int, bool]:
-        """(tokens for the next chunk, whether to abort before it)."""
+    def plan(self, mlx_active_bytes: int, remaining_tokens: int,
+             prompt_tokens: int = 0) -> tuple[int, bool]:
+        """(tokens for the next chunk, whether to abort before it); `prompt_tokens`: the
+        longest prompt being prefilled (its attention spans all of it)."""
         ...
 
-    def observe(self, tokens: int, bytes_delta: int) -> None:
-        """What a chunk of `tokens` cost in MLX active memory."""
+    def observe(self, tokens: int, bytes_delta: int, prompt_tokens: int = 0) -> None:
+        """What a chunk of `tokens` over a prompt of `prompt_tokens` cost at its peak."""
         ...
 
 
@@ -648,7 +650,8 @@ class ModelEngine:
             if remaining <= 0:
                 return 0
             active = mx.get_active_memory()
-            chunk, abort = planner.plan(active, remaining)
+            longest = max(len(i.request.prompt_tokens) for i in prefilling)
+            chunk, abort = planner.plan(active, remaining, longest)
             if not abort:
                 gen.prefill_step_size = max(1, chunk)
                 return chunk
@@ -670,15 +673,16 @@ class ModelEngine:
             log.exception("on_prefill_abort failed on %s", self.model_id)
 
     def _track_prefill(self, prompt_responses, live, planned: int, before: int) -> None:
-        processed = 0
+        processed = longest = 0
         for r in prompt_responses:
             item = live.get(r.uid)
             if item is not None and isinstance(r.progress, tuple):
                 done = r.progress[0]
                 processed += max(0, done - item.prefilled)
                 item.prefilled = done
+                longest = max(longest, len(item.request.prompt_tokens))
         if planned and processed and self.prefill_planner is not None:
-            self.prefill_planner.observe(processed, mx.get_peak_memory() - before)
+            self.prefill_planner.observe(processed, mx.get_peak_memory() - before, longest)
 
     def _finished(self, item: _Live, reason: FinishReason, now: float) -> Finished:
         first = item.first_token_at or now

@@ -8,9 +8,10 @@ each chunk, `should_abort_before_chunk` checks the projected usage against the
 pre-chunk abort margin (0.90, 0.93, 0.97, 0.95) of the stable abort cap, and
 never lets a chunk run past the ceiling itself.
 
-The per-token cost is an EWMA of measured bytes per prefilled token with the
-model's static estimate (KV bytes per token + transient) as a floor, so one
-lucky chunk that reused pooled buffers never makes the next one overconfident.
+A chunk's cost is `PrefillFigures.chunk_bytes` (its KV, its attention over the
+prompt, a conversion's float32 layer) times a factor learned from measured peaks
+(`PrefillCostModel`, never below 1); admission projects a whole prompt with the
+same figures and factor.
 """
 
 from __future__ import annotations
@@ -30,38 +31,83 @@ from memory.levels import (
 
 
 @dataclass(frozen=True)
-class PrefillCostModel:
-    """Bytes per prefilled token: max(static estimate, EWMA of measurements)."""
+class PrefillFigures:
+    """What a model's prefill costs, from figures the model gives once at load. The one
+    estimate both admission (for a whole prompt) and the prefill guard (before each
+    chunk) project with, so that a request admitted is a request the guard lets run."""
 
-    static_bytes_per_token: float
+    kv_bytes_per_token: int
+    attention_heads: int = 1
+    # The fp32-conversion prefill (engine/fast_prefill.py); None: the stock path.
+    conversion: ConversionTransient | None = None
+
+    def linear(self, prompt_tokens: int) -> tuple[int, int]:
+        """(bytes per chunk token, bytes per chunk whatever its size) of a chunk over a
+        prompt of `prompt_tokens`. Per token: its KV, activations of a few KV rows, its
+        attention scores over the whole prompt (fp32, and a softmax copy), a conversion's
+        fp32 activations. Per chunk: a conversion's fp32 layer and one layer's fp32 keys
+        and values. Measured on the tiny model: 4,000 tokens at step 512 peak ~40 MiB."""
+        c = self.conversion or ConversionTransient()
+        per_token = (self.kv_bytes_per_token * 5 + self.attention_heads * prompt_tokens * 8
+                     + c.chunk_token_bytes)
+        return per_token, c.weight_bytes + prompt_tokens * c.prompt_token_bytes
+
+    def chunk_bytes(self, chunk_tokens: int, prompt_tokens: int) -> int:
+        """A chunk's peak growth: its KV and its transient."""
+        if chunk_tokens <= 0:
+            return 0
+        per_token, fixed = self.linear(prompt_tokens)
+        return fixed + chunk_tokens * per_token
+
+    def transient_bytes(self, chunk_tokens: int, prompt_tokens: int) -> int:
+        """What a chunk adds at its peak beyond the KV it stores."""
+        return self.chunk_bytes(chunk_tokens, prompt_tokens) - max(0, chunk_tokens) * (
+            self.kv_bytes_per_token)
+
+
+@dataclass(frozen=True)
+class PrefillCostModel:
+    """A model's chunk cost: the static estimate (`PrefillFigures.chunk_bytes`) times a
+    factor learned from measured peaks, an EWMA of measured / estimated that never goes
+    below 1, so one lucky chunk that reused pooled buffers never makes the next one
+    overconfident. The ratio, not bytes per token, is learned: a chunk's attention grows
+    with the prompt, so a per-token figure learned on a long prompt would overstate a
+    short one."""
+
+    figures: PrefillFigures
     alpha: float = PREFILL_COST_EWMA_ALPHA
-    ewma_bytes_per_token: float | None = None
+    ewma_ratio: float | None = None
     samples: int = 0
 
     def __post_init__(self) -> None:
-        if self.static_bytes_per_token < 0:
-            raise ValueError("static_bytes_per_token must be >= 0")
+        if self.figures.kv_bytes_per_token < 0:
+            raise ValueError("kv_bytes_per_token must be >= 0")
         if not 0 < self.alpha <= 1:
             raise ValueError("alpha must be in (0, 1]")
 
-    def observe(self, tokens: int, bytes_delta: int) -> PrefillCostModel:
-        """A new model after a chunk of `tokens` grew usage by `bytes_delta`.
-
-        A negative delta (the pool was drained mid-chunk) counts as zero.
-        """
-        if tokens <= 0:
+    def observe(self, tokens: int, bytes_delta: int, prompt_tokens: int) -> PrefillCostModel:
+        """A new model after a chunk of `tokens` over a prompt of `prompt_tokens` grew
+        usage by `bytes_delta` at its peak. A negative delta (the pool was drained
+        mid-chunk) counts as zero."""
+        estimate = self.figures.chunk_bytes(tokens, max(tokens, prompt_tokens))
+        if tokens <= 0 or estimate <= 0:
             return self
-        sample = max(0, bytes_delta) / tokens
-        if self.ewma_bytes_per_token is None:
+        sample = max(0, bytes_delta) / estimate
+        if self.ewma_ratio is None:
             ewma = sample
         else:
-            ewma = self.alpha * sample + (1 - self.alpha) * self.ewma_bytes_per_token
-        return dataclasses.replace(self, ewma_bytes_per_token=ewma, samples=self.samples + 1)
+            ewma = self.alpha * sample + (1 - self.alpha) * self.ewma_ratio
+        return dataclasses.replace(self, ewma_ratio=ewma, samples=self.samples + 1)
 
     @property
-    def bytes_per_token(self) -> float:
-        measured = self.ewma_bytes_per_token or 0.0
-        return max(self.static_bytes_per_token, measured)
+    def factor(self) -> float:
+        return max(1.0, self.ewma_ratio or 0.0)
+
+    def linear(self, prompt_tokens: int) -> tuple[float, int]:
+        """`PrefillFigures.linear` times the learned factor: what `plan_chunk` sizes a
+        chunk with."""
+        per_token, fixed = self.figures.linear(prompt_tokens)
+        return self.factor * per_token, math.ceil(self.factor * fixed)
 
 
 def prefill_target_bytes(tier: Tier, ceiling_bytes: int) -> int:

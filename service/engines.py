@@ -18,7 +18,12 @@ from engine.errors import ENFORCER_ABORT, Aborted, PlimsollError
 from engine.model_engine import MlxSample, ModelEngine, PrefillAbortReport
 from engine.pool import ModelEntry, ModelPool, ModelState
 from memory.actions import PrefillAborted
-from memory.chunking import PrefillCostModel, plan_chunk, should_abort_before_chunk
+from memory.chunking import (
+    PrefillCostModel,
+    PrefillFigures,
+    plan_chunk,
+    should_abort_before_chunk,
+)
 from memory.levels import PressureLevel, Tier
 from memory.readings import MlxFigures
 from memory.views import EngineState, EngineView, RequestView
@@ -60,17 +65,18 @@ class PrefillGuard:
     before each prefill step with its own MLX sample, so nothing here calls MLX.
     """
 
-    def __init__(self, kv_bytes_per_token: int, min_chunk: int, max_chunk: int,
-                 fixed_bytes: int = 0) -> None:
-        # Static floor: the KV itself plus attention scratch of a few rows per token.
-        self.cost = PrefillCostModel(static_bytes_per_token=max(1, kv_bytes_per_token * 4))
-        # Per chunk, whatever its size: the fp32 weight of the largest converted layer
-        # (engine/fast_prefill.py), counted as if already allocated.
-        self.fixed_bytes = fixed_bytes
+    def __init__(self, figures: PrefillFigures, min_chunk: int, max_chunk: int) -> None:
+        # The static estimate admission projects with too, times a learned factor.
+        self.cost = PrefillCostModel(figures)
         self.min_chunk = min_chunk
         self.max_chunk = max_chunk
         # One tuple, replaced whole: the engine thread never reads two ticks' figures.
         self.limits: GuardLimits | None = None
+
+    @property
+    def cost_factor(self) -> float:
+        """Read by admission on the loop; a float, replaced whole by the engine thread."""
+        return self.cost.factor
 
     @property
     def ceiling(self) -> int:
@@ -84,12 +90,14 @@ class PrefillGuard:
                tier: Tier) -> None:
         self.limits = GuardLimits(ceiling_bytes, abort_cap_bytes, non_mlx_bytes, tier)
 
-    def plan(self, mlx_active_bytes: int, remaining_tokens: int) -> tuple[int, bool]:
+    def plan(self, mlx_active_bytes: int, remaining_tokens: int,
+             prompt_tokens: int = 0) -> tuple[int, bool]:
         limits = self.limits
         if limits is None:
             return min(self.max_chunk, remaining_tokens), False
-        usage = limits.non_mlx_bytes + mlx_active_bytes + self.fixed_bytes
-        per_token = self.cost.bytes_per_token
+        # Attention over the whole prompt, as admission projects its last chunk.
+        per_token, fixed = self.cost.linear(prompt_tokens or remaining_tokens)
+        usage = limits.non_mlx_bytes + mlx_active_bytes + fixed
         chunk = plan_chunk(tier=limits.tier, ceiling_bytes=limits.ceiling_bytes,
                            usage_bytes=usage, bytes_per_token=per_token,
                            remaining_tokens=remaining_tokens, min_chunk=self.min_chunk,
@@ -101,8 +109,8 @@ class PrefillGuard:
                                           bytes_per_token=per_token)
         return chunk, abort
 
-    def observe(self, tokens: int, bytes_delta: int) -> None:
-        self.cost = self.cost.observe(tokens, bytes_delta)
+    def observe(self, tokens: int, bytes_delta: int, prompt_tokens: int = 0) -> None:
+        self.cost = self.cost.observe(tokens, bytes_delta, prompt_tokens)
 
 
 class EngineHandleAdapter:
@@ -256,10 +264,9 @@ class PoolAdapter:
 
     def _make_guard(self, entry: ModelEntry) -> PrefillGuard:
         step = self._pool.settings.prefill_step_size
-        conversion = entry.prefill_conversion
-        return PrefillGuard(entry.kv_bytes_per_token, self._min_chunk,
-                            min(self._max_chunk, step),
-                            conversion.weight_bytes if conversion is not None else 0)
+        figures = PrefillFigures(entry.kv_bytes_per_token, entry.attention_heads,
+                                 entry.prefill_conversion)
+        return PrefillGuard(figures, self._min_chunk, min(self._max_chunk, step))
 
     def _on_prefill_abort(self, r: PrefillAbortReport) -> None:
         # On the engine thread: hand the record to the governor (it moves it to the loop).

@@ -187,6 +187,7 @@ class GeneratePipeline:
             attention_heads=entry.attention_heads,
             prefill_step_size=self.pool.settings.prefill_step_size,
             prefill_conversion=entry.prefill_conversion,
+            prefill_cost_factor=_prefill_cost_factor(entry),
             holds_slot=holds_slot,
             own_reservation_bytes=own_reservation_bytes,
         )
@@ -507,3 +508,10 @@ def _tokenize(tokenizer, spec: GenerateSpec, v: Violations) -> list[int]:
         return []
     messages = [{"role": m.role, "content": m.content} for m in spec.chat]
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def _prefill_cost_factor(entry: ModelEntry) -> float:
+    """What the model's prefill guard has learned over the static estimate: admission
+    projects with it so that the guard lets an admitted prompt run."""
+    planner = entry.engine.prefill_planner if entry.engine is not None else None
+    return getattr(planner, "cost_factor", 1.0)

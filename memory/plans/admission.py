@@ -35,6 +35,7 @@ sheds nothing (reusable state is kept for requests that can fit).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -57,7 +58,7 @@ from memory.actions import (
     ShrinkSessionCache,
 )
 from memory.ceiling import Limits, compute_limits
-from memory.chunking import ConversionTransient, prefill_abort_bytes
+from memory.chunking import ConversionTransient, PrefillFigures, prefill_abort_bytes
 from memory.config import MemoryConfig
 from memory.levels import PressureLevel
 from memory.plans.eviction import freeable_bytes, idle_victims
@@ -137,6 +138,12 @@ class AdmissionRequest:
     own_reservation_bytes: int = 0  # the ticket it redeems: not someone else's
     # The model's fp32-conversion prefill (engine/fast_prefill.py); None: the stock path.
     prefill_conversion: ConversionTransient | None = None
+    # The model's prefill guard's learned factor over the static estimate (>= 1).
+    prefill_cost_factor: float = 1.0
+
+    def prefill_figures(self) -> PrefillFigures:
+        return PrefillFigures(self.kv_bytes_per_token, self.attention_heads,
+                              self.prefill_conversion)
 
 
 # -- the pure decision ------------------------------------------------------------
@@ -299,18 +306,15 @@ def decide(inputs: AdmissionInputs) -> Decision:
 
 
 def prefill_transient_bytes(request: AdmissionRequest, miss: int) -> int:
-    """The peak a prefill adds beyond its KV: the last chunk's attention scores over
-    the whole prompt (fp32, and a softmax copy), plus activations of a few KV rows
-    per token. Measured on the tiny model: 4,000 tokens at step 512 peak ~40 MiB.
-    A model whose prefill converts its layers to fp32 adds the largest layer's fp32 weight
-    and fp32 copies of the chunk's activations and of one layer's K/V
-    (`ConversionTransient`)."""
+    """The peak a prefill adds beyond its KV, at its last chunk (attention over the whole
+    prompt): `PrefillFigures.transient_bytes`, and what the model's learned cost factor
+    adds to the chunk, so that the prefill guard, which projects every chunk the same
+    way, lets an admitted request run."""
     chunk = min(miss, request.prefill_step_size)
     prompt = len(request.prompt_tokens)
-    conversion = (request.prefill_conversion.bytes_for(chunk, prompt)
-                  if request.prefill_conversion is not None else 0)
-    return (chunk * request.attention_heads * prompt * 4 * 2
-            + chunk * request.kv_bytes_per_token * 4 + conversion)
+    figures = request.prefill_figures()
+    extra = (request.prefill_cost_factor - 1) * figures.chunk_bytes(chunk, prompt)
+    return figures.transient_bytes(chunk, prompt) + math.ceil(max(0.0, extra))
 
 
 @dataclass(frozen=True)

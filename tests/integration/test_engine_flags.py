@@ -105,10 +105,11 @@ class FixedPlanner:
         self.chunk = chunk
         self.abort = abort
 
-    def plan(self, mlx_active_bytes: int, remaining_tokens: int) -> tuple[int, bool]:
+    def plan(self, mlx_active_bytes: int, remaining_tokens: int,
+             prompt_tokens: int = 0) -> tuple[int, bool]:
         return self.chunk, self.abort
 
-    def observe(self, tokens: int, bytes_delta: int) -> None:
+    def observe(self, tokens: int, bytes_delta: int, prompt_tokens: int = 0) -> None:
         pass
 
 

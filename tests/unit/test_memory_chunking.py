@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from memory.chunking import (
+    ConversionTransient,
     PrefillCostModel,
+    PrefillFigures,
     plan_chunk,
     prefill_target_bytes,
     should_abort_before_chunk,
@@ -13,27 +15,41 @@ from memory.chunking import (
 from memory.levels import GIB, MIB, Tier
 
 
-def test_cost_model_ewma_with_the_static_estimate_as_floor():
-    model = PrefillCostModel(static_bytes_per_token=1000)
-    assert model.bytes_per_token == 1000 and model.samples == 0
-    model = model.observe(100, 200_000)  # 2000 B/token: the first sample seeds the EWMA
-    assert model.ewma_bytes_per_token == 2000 and model.bytes_per_token == 2000
-    model = model.observe(100, 0)  # alpha 0.3: 0.3 * 0 + 0.7 * 2000
-    assert model.ewma_bytes_per_token == pytest.approx(1400)
+def test_cost_model_ewma_of_measured_over_estimated_with_one_as_floor():
+    figures = PrefillFigures(kv_bytes_per_token=1000)
+    model = PrefillCostModel(figures)
+    assert model.factor == 1.0 and model.samples == 0
+    assert model.linear(0) == (5000, 0)  # its KV and activations, no prompt to attend
+    estimate = figures.chunk_bytes(100, 100)
+    model = model.observe(100, 2 * estimate, 100)  # the first sample seeds the EWMA
+    assert model.ewma_ratio == 2 and model.factor == 2
+    model = model.observe(100, 0, 100)  # alpha 0.3: 0.3 * 0 + 0.7 * 2
+    assert model.ewma_ratio == pytest.approx(1.4)
     for _ in range(20):
-        model = model.observe(100, 0)
-    assert model.bytes_per_token == 1000  # never below the static estimate
+        model = model.observe(100, 0, 100)
+    assert model.factor == 1.0  # never below the static estimate
     assert model.samples == 22
 
 
 def test_cost_model_ignores_empty_chunks_and_clamps_negative_deltas():
-    model = PrefillCostModel(static_bytes_per_token=10)
-    assert model.observe(0, 10**9) is model
-    assert model.observe(10, -5000).ewma_bytes_per_token == 0.0
+    model = PrefillCostModel(PrefillFigures(kv_bytes_per_token=10))
+    assert model.observe(0, 10**9, 10) is model
+    assert model.observe(10, -5000, 10).ewma_ratio == 0.0
     with pytest.raises(ValueError):
-        PrefillCostModel(static_bytes_per_token=-1)
+        PrefillCostModel(PrefillFigures(kv_bytes_per_token=-1))
     with pytest.raises(ValueError):
-        PrefillCostModel(static_bytes_per_token=1, alpha=0)
+        PrefillCostModel(PrefillFigures(kv_bytes_per_token=1), alpha=0)
+
+
+def test_prefill_figures_chunk_cost_is_linear_and_attention_grows_with_the_prompt():
+    conv = ConversionTransient(weight_bytes=7000, chunk_token_bytes=3, prompt_token_bytes=2)
+    f = PrefillFigures(kv_bytes_per_token=100, attention_heads=4, conversion=conv)
+    per_token, fixed = f.linear(50)
+    assert per_token == 5 * 100 + 4 * 50 * 8 + 3 and fixed == 7000 + 50 * 2
+    assert f.chunk_bytes(10, 50) == fixed + 10 * per_token
+    assert f.transient_bytes(10, 50) == f.chunk_bytes(10, 50) - 10 * 100
+    assert f.chunk_bytes(0, 50) == 0
+    assert f.linear(500)[0] > per_token
 
 
 def test_chunk_shrinks_as_usage_nears_the_tier_fraction_of_the_ceiling():
