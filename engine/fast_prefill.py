@@ -12,15 +12,21 @@ converts ONE LAYER AT A TIME into float32:
   dtype and is evaluated at once, so the layer's float32 weight is freed before the next
   layer converts its own (the transient is the largest layer, never the model);
 - attention of a prefill chunk (`mlx_lm.models.base.scaled_dot_product_attention`, as the
-  model's module calls it) runs on float32 queries, keys and values: MLX's CPU attention is
-  made of matrix products, which then go through BLAS too.
+  model's module calls it) runs on float32 queries, keys and values: its two products
+  through BLAS, its softmax in NumPy (MLX's CPU exp is scalar), rounding the scores and
+  weights to the model's dtype where MLX's own half-precision attention rounds them.
+
+What stays on MLX's kernels: RMSNorm, RoPE and the MLP's activation (elementwise: after
+the change they take a fifth to a third of a prefill, see docs/benchmarks.md).
 
 Decode steps (one token per sequence) take the stock path, except that a quantized model
 may decode through `quantized_matmul` on float32 activations and scales (MLX's float32
-quantized kernel is ~10x faster than its bfloat16 one) when that measures faster on the
-model's own largest layer at load (`DECODE_MARGIN`). Dense half-precision decode is never
-converted: without a per-layer evaluation (which would stall the decode pipeline), every
-layer's float32 weight could be alive at once.
+quantized kernel is ~10x faster than its bfloat16 one), its LM head too, when that
+measures faster on the model's own largest layer at load (`DECODE_MARGIN`); that is lazy
+and converts only scales (1/8 byte per weight, a layer at a time as MLX evaluates).
+Dense half-precision decode is never converted: one token's product is memory-bound, and
+the stock kernel wins on any layer larger than the CPU's cache (measured: 4096x4096
+bf16, 10 ms stock against 35 ms cast + sgemv).
 
 It applies only where it wins: Linux, MLX on the CPU, an optimized BLAS loaded ahead of
 MLX, half-precision or quantized layers, and a chunk of at least `min_tokens` rows. The
@@ -28,8 +34,12 @@ memory it adds is described by `memory.chunking.ConversionTransient`, computed o
 the model's layers, and counted by admission's projection and the prefill guard.
 
 The wrapped layers are the model's own modules with their class swapped for a subclass
-(`_FastLinear`, `_FastQuantizedLinear`): parameters, names and `isinstance` stay as they
-were, and `FastPrefill.enabled` turns the fast path off at any step boundary.
+(`_FastLinear`, `_FastQuantizedLinear`, `_FastQuantizedEmbedding` for a tied head):
+parameters, names and `isinstance` stay as they were; `uninstall` swaps them back, and
+`FastPrefill.enabled` turns the prefill path off at any step boundary. Greedy output is
+the stock path's except where the stock path's own two best logits are tied or one
+half-precision step apart (the products' summation order differs: measured on the demo
+models, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -81,6 +91,7 @@ class FastPrefill:
     dtype: str = ""  # "bfloat16", "float16", "4-bit", ... (what was found)
     transient: ConversionTransient = field(default_factory=ConversionTransient)
     decode_ms: tuple[float, float] | None = None  # (stock, fp32) on the largest layer
+    converted: int = 0  # layer products run in float32 (the engine thread counts them)
     # The wrapped layers, weakly: a plan kept after its model went never keeps it alive.
     wrapped: list[weakref.ref] = field(default_factory=list, repr=False)
 
@@ -130,35 +141,62 @@ class _FastLinear(nn.Linear):
         plan = self._fast_prefill
         w = self["weight"]
         if x.dtype == w.dtype and _prefill_rows(x, plan):
+            plan.converted += 1
             return _product(x, w.astype(mx.float32), self.get("bias"))
         return nn.Linear.__call__(self, x)
 
 
+def _decode_product(m: nn.Module, x: mx.array) -> mx.array:
+    """A quantized layer's product on float32 activations and scales (MLX's float32
+    quantized kernel), left lazy: a decode step stays one asynchronous graph. The only
+    conversion is the layer's scales and biases (1/8 byte per weight at group size 64)."""
+    y = mx.quantized_matmul(x.astype(mx.float32), m["weight"], m["scales"].astype(mx.float32),
+                            m["biases"].astype(mx.float32), transpose=True,
+                            group_size=m.group_size, bits=m.bits)
+    if "bias" in m:
+        y = y + m["bias"].astype(mx.float32)
+    return y.astype(x.dtype)
+
+
+def _decode_ok(m: nn.Module, x: mx.array, plan: FastPrefill) -> bool:
+    return (plan.decode_fp32 and m.mode == "affine" and "biases" in m
+            and x.dtype == m["scales"].dtype)
+
+
 class _FastQuantizedLinear(nn.QuantizedLinear):
     _fast_prefill: FastPrefill
+    _decode_only = False  # the LM head: its prefill logits are never evaluated
 
     def __call__(self, x: mx.array) -> mx.array:
         plan = self._fast_prefill
         scales = self["scales"]
         if x.dtype != scales.dtype or self.mode != "affine":
             return nn.QuantizedLinear.__call__(self, x)
-        if _prefill_rows(x, plan):
+        if not self._decode_only and _prefill_rows(x, plan):
+            plan.converted += 1
             w32 = mx.dequantize(self["weight"], scales.astype(mx.float32),
                                 self["biases"].astype(mx.float32), self.group_size,
                                 self.bits)
             return _product(x, w32, self.get("bias"))
-        if plan.decode_fp32:
-            y = mx.quantized_matmul(x.astype(mx.float32), self["weight"],
-                                    scales.astype(mx.float32),
-                                    self["biases"].astype(mx.float32), transpose=True,
-                                    group_size=self.group_size, bits=self.bits)
-            if "bias" in self:
-                y = y + self["bias"].astype(mx.float32)
-            return y.astype(x.dtype)
+        if _decode_ok(self, x, plan):
+            return _decode_product(self, x)
         return nn.QuantizedLinear.__call__(self, x)
 
 
-_FAST_CLASSES: dict[type, type] = {nn.Linear: _FastLinear, nn.QuantizedLinear: _FastQuantizedLinear}
+class _FastQuantizedEmbedding(nn.QuantizedEmbedding):
+    """A tied LM head (`as_linear`) decodes on float32 activations too; lookups are
+    untouched."""
+
+    _fast_prefill: FastPrefill
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if x.ndim >= 2 and x.shape[-2] == 1 and _decode_ok(self, x, self._fast_prefill):
+            return _decode_product(self, x)
+        return nn.QuantizedEmbedding.as_linear(self, x)
+
+
+_FAST_CLASSES: dict[type, type] = {nn.Linear: _FastLinear, nn.QuantizedLinear: _FastQuantizedLinear,
+                                   nn.QuantizedEmbedding: _FastQuantizedEmbedding}
 _STOCK_CLASSES = {v: k for k, v in _FAST_CLASSES.items()}
 
 
@@ -186,23 +224,56 @@ def _prefill_plan(x: mx.array, rows_axis: int) -> FastPrefill | None:
     return plan
 
 
-def _round_half(a: np.ndarray, dtype: mx.Dtype) -> None:
-    """Rounds a float32 array, in place, to the nearest `dtype` (bf16/fp16) value: where
-    the stock path holds a half-precision intermediate, so does this one."""
+# Rows of scores per NumPy pass: every pass of the softmax runs on a block that stays in
+# the CPU's cache (~256 KiB of float32), which makes it ~3x faster than whole-array passes.
+_BLOCK_ELEMENTS = 1 << 16
+
+
+def _round_half(a: np.ndarray, dtype: mx.Dtype, tmp: np.ndarray) -> None:
+    """Rounds a contiguous float32 array, in place, to the nearest `dtype` (bf16/fp16)
+    value: where the stock path holds a half-precision intermediate, so does this one.
+    `tmp`: uint32 scratch of at least `a.size` elements."""
     if dtype == mx.float16:
         np.copyto(a, a.astype(np.float16))
         return
     bits = a.view(np.uint32)  # bfloat16: round to nearest even on the top 16 bits
-    bits += np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))
+    t = tmp[:bits.size].reshape(bits.shape)
+    np.right_shift(bits, 16, out=t)
+    t &= np.uint32(1)
+    t += np.uint32(0x7FFF)
+    bits += t
     bits &= np.uint32(0xFFFF0000)
+
+
+def _softmax_block(s: np.ndarray, mask: np.ndarray | None, additive: bool,
+                   half: mx.Dtype, tmp: np.ndarray) -> None:
+    """softmax over the last axis of one (rows, S) block, in place, rounded to `half`
+    before and after as MLX's half-precision attention rounds its scores and weights.
+    `mask`: (rows | 1, S), True (bool) where a key is hidden, or values to add."""
+    _round_half(s, half, tmp)
+    if mask is not None:
+        if additive:
+            s += mask
+            _round_half(s, half, tmp)
+        else:
+            np.copyto(s, np.float32(-np.inf), where=mask)
+    top = s.max(axis=-1, keepdims=True)
+    np.copyto(top, np.float32(0), where=~np.isfinite(top))  # a row with every key masked
+    s -= top
+    np.exp(s, out=s)
+    total = s.sum(axis=-1, keepdims=True)
+    np.copyto(total, np.float32(1), where=total == 0)
+    s /= total
+    _round_half(s, half, tmp)
 
 
 def _attention_f32(q: mx.array, k: mx.array, v: mx.array, mask: Any,
                    half: mx.Dtype) -> mx.array:
     """softmax(q k^T + mask) v for scaled float32 (B, H, L, D) queries and (B, KV, S, D)
-    keys and values: the products through BLAS, the softmax in NumPy, in place. The scores
-    and the probabilities are rounded to `half` where MLX's own half-precision attention
-    rounds them, so the two differ only by the products' summation order."""
+    keys and values: the products through BLAS, the softmax in NumPy, in place, a block
+    of rows at a time. The scores and the weights are rounded to `half` where MLX's own
+    half-precision attention rounds them, so the two differ only by the products'
+    summation order (and NumPy's exp against MLX's)."""
     b, h, n, d = q.shape
     kv, s_len = k.shape[1], k.shape[2]
     rep = h // kv
@@ -210,27 +281,26 @@ def _attention_f32(q: mx.array, k: mx.array, v: mx.array, mask: Any,
     scores = q.reshape(b, kv, rep * n, d) @ k.swapaxes(-1, -2)
     mx.eval(scores, *([mask] if isinstance(mask, mx.array) else []))
     s = np.array(scores, copy=False).reshape(b, kv, rep, n, s_len)
-    _round_half(s, half)
+    hidden: np.ndarray | None = None  # (B | 1, L, S): True where a key is hidden
+    additive = False
     if isinstance(mask, str):  # "causal": query i sees keys up to i + (S - L)
-        future = np.arange(s_len)[None, :] > np.arange(s_len - n, s_len)[:, None]
-        np.copyto(s, np.float32(-np.inf), where=future)
+        hidden = (np.arange(s_len)[None, :] > np.arange(s_len - n, s_len)[:, None])[None]
     elif mask is not None:
         m = np.array(mask, copy=False)
-        # (L, S), (1, L, S) or (B | 1, 1, L, S) (`_numpy_mask_ok`) -> broadcast over s.
-        m = m.reshape(m.shape[0], 1, 1, n, s_len) if m.ndim == 4 else m.reshape(n, s_len)
-        if m.dtype == np.bool_:
-            np.copyto(s, np.float32(-np.inf), where=~m)
-        else:
-            s += m.astype(np.float32, copy=False)
-            _round_half(s, half)
-    top = s.max(axis=-1, keepdims=True)
-    np.copyto(top, np.float32(0), where=~np.isfinite(top))  # a row with every key masked
-    np.subtract(s, top, out=s)
-    np.exp(s, out=s)
-    total = s.sum(axis=-1, keepdims=True)
-    np.copyto(total, np.float32(1), where=total == 0)
-    np.divide(s, total, out=s)
-    _round_half(s, half)
+        # (L, S), (1, L, S) or (B | 1, 1, L, S) (`_numpy_mask_ok`).
+        m = m.reshape(-1, n, s_len)
+        additive = m.dtype != np.bool_
+        hidden = m.astype(np.float32, copy=False) if additive else ~m
+    rows = max(1, _BLOCK_ELEMENTS // s_len)
+    tmp = np.empty(rows * s_len, dtype=np.uint32)
+    for bi in range(b):
+        mrows = None if hidden is None else hidden[bi if hidden.shape[0] > 1 else 0]
+        for g in range(kv):
+            for r in range(rep):
+                block = s[bi, g, r]
+                for i in range(0, n, rows):
+                    _softmax_block(block[i:i + rows], None if mrows is None
+                                   else mrows[i:i + rows], additive, half, tmp)
     return (scores @ v).reshape(b, h, n, d)
 
 
@@ -327,6 +397,19 @@ def _candidates(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def _decode_heads(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """Affine quantized layers outside the blocks (the LM head, a tied embedding): they
+    may decode on float32 activations, and are never converted for a prefill."""
+    inside = {id(m) for b in blocks for _, m in b.named_modules()}
+    found = []
+    for _, m in model.named_modules():
+        kind = _STOCK_CLASSES.get(type(m), type(m))
+        if (id(m) not in inside and kind in (nn.QuantizedLinear, nn.QuantizedEmbedding)
+                and m.mode == "affine" and "biases" in m and m["scales"].dtype in HALF):
+            found.append(m)
+    return found
+
+
 def _shape(m: nn.Module) -> tuple[int, int]:
     """(out, in) of a layer, unpacked for a quantized one."""
     if _STOCK_CLASSES.get(type(m), type(m)) is nn.QuantizedLinear:
@@ -417,20 +500,26 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
         return FastPrefill(False, why)
     layers = _candidates(model)
     if not layers:
-        return FastPrefill(False, "no bfloat16, float16 or quantized layers")
-    blocks = len(getattr(model, "layers", ()))
+        return FastPrefill(False, "no bfloat16, float16 or quantized layers in model.layers")
+    blocks = list(getattr(model, "layers", ()))
     plan = FastPrefill(
         True, f"{blas.state().name} BLAS on a Linux CPU", min_tokens=max(2, min_tokens),
         layers=len(layers), dtype=_dtype_name(layers),
-        transient=transient_for(layers, kv_bytes_per_token, blocks, kv_dtype_bytes))
-    for m in layers:
+        transient=transient_for(layers, kv_bytes_per_token, len(blocks), kv_dtype_bytes))
+    quantized = any(_STOCK_CLASSES.get(type(m), type(m)) is nn.QuantizedLinear
+                    for m in layers)
+    heads = _decode_heads(model, blocks) if quantized else []
+    for m in layers + heads:
         m._fast_prefill = plan
         m.__class__ = _FAST_CLASSES[_STOCK_CLASSES.get(type(m), type(m))]
-    plan.wrapped = [weakref.ref(m) for m in layers]
+    for m in heads:
+        if isinstance(m, _FastQuantizedLinear):
+            m._decode_only = True
+    plan.wrapped = [weakref.ref(m) for m in layers + heads]
     _patch_modules(model)
     plan.bind_thread()
     if decode == "fp32":
-        plan.decode_fp32 = any(isinstance(m, _FastQuantizedLinear) for m in layers)
+        plan.decode_fp32 = quantized
         plan.decode_reason = "float32 (set)" if plan.decode_fp32 else "stock (no quantized layers)"
     elif decode == "auto":
         timing = measure_decode(layers, plan)
@@ -455,6 +544,7 @@ def uninstall(plan: FastPrefill) -> None:
         if stock is not None:
             m.__class__ = stock
             m.__dict__.pop("_fast_prefill", None)
+            m.__dict__.pop("_decode_only", None)
     plan.wrapped = []
     plan.enabled = False
     plan.decode_fp32 = False

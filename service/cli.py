@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most sequences decoded together per model (default: %(default)s)")
     s.add_argument("--prefill-step-size", type=int, default=512,
                    help="prompt tokens processed per step (default: %(default)s)")
+    s.add_argument("--no-fast-prefill", dest="fast_prefill", action="store_false",
+                   help="prefill bf16/fp16/quantized models with MLX's own kernels instead "
+                   "of converting one layer at a time to float32 for the optimized BLAS "
+                   "(Linux CPU; see engine/fast_prefill.py)")
     s.add_argument("--stream-interval-ms", type=float, default=2.0,
                    help="send steady token chunks at most this often; first tokens and "
                    "ends go at once; 0 sends every token (default: %(default)s)")
@@ -289,6 +293,7 @@ def _serve(args) -> int:
         drain_grace_s=args.drain_seconds,
         engine=EngineSettings(max_num_seqs=args.max_num_seqs,
                               prefill_step_size=args.prefill_step_size,
+                              fast_prefill=args.fast_prefill,
                               stream_interval_s=max(0.0, args.stream_interval_ms) / 1000),
         telemetry=TelemetrySettings(otlp_endpoint=args.otlp_endpoint),
         metrics_host=args.metrics_host,

@@ -18,11 +18,12 @@ every ratio comes from one process, one load and one run.
   (estimated from a 64-token run): the first N tokens of the same prompt, N in the table.
   Stock cost per token grows with the prompt (attention), so a shortened stock run only
   flatters the stock path: the ratio is then a lower bound.
-- peak: MLX peak memory during the prefill above the model's own, each side, and the
-  transient admission projects for the fast path (`ConversionTransient.bytes_for`).
+- peak: MLX peak memory during the prefill above the model's own, each side; the part of
+  the transient admission adds for the fast path (`ConversionTransient.bytes_for`), and
+  all admission projects for the prompt (KV, the stock transient and that part).
 - decode: one stream, a 32-token prompt then `--decode-tokens` greedy tokens:
-  tok/s = (tokens - 1) / (first token → last token); whether both sides produced the same
-  tokens.
+  tok/s = (tokens - 1) / (first token → last token); the MLX peak of the decode steps
+  above the memory held at the first token; whether both sides produced the same tokens.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences  # noqa: E402
 from engine import blas, fast_prefill  # noqa: E402
 from engine.demo_models import DEMO_CORPUS, DEMO_VARIANTS, ensure_demo_variant  # noqa: E402
 from engine.loading import load_model  # noqa: E402
+from memory.plans.admission import AdmissionRequest, prefill_transient_bytes  # noqa: E402
 from tools.bench_blas import machine_line  # noqa: E402
 
 DEFAULT_MODELS = ("small-bf16", "small-4bit", "medium-bf16", "medium-4bit")
@@ -82,8 +84,10 @@ class Sides:
         self.plan.decode_fp32 = fast and self.fast_decode
 
 
-def run_once(model, ids: list[int], max_tokens: int) -> tuple[float, float, list[int], int]:
-    """(insert → first token s, first → last token s, tokens, MLX peak above start)."""
+def run_once(model, ids: list[int], max_tokens: int
+             ) -> tuple[float, float, list[int], int, int]:
+    """(insert → first token s, first → last token s, tokens, MLX peak above the start
+    until the first token, MLX peak above the first token's after it)."""
     gen = BatchGenerator(model, completion_batch_size=32, prefill_batch_size=8,
                          prefill_step_size=STEP)
     mx.synchronize()
@@ -94,6 +98,7 @@ def run_once(model, ids: list[int], max_tokens: int) -> tuple[float, float, list
     gen.insert([ids], max_tokens=[max_tokens], stop_sequences=[StopSequences(None)])
     tokens: list[int] = []
     first = last = t0
+    peak = decode_base = 0
     done = False
     while not done:
         _, responses = gen.next()
@@ -102,10 +107,23 @@ def run_once(model, ids: list[int], max_tokens: int) -> tuple[float, float, list
             last = time.perf_counter()
             if len(tokens) == 1:
                 first = last
+                peak = mx.get_peak_memory() - base
+                decode_base = mx.get_active_memory()
+                mx.reset_peak_memory()
             done = done or r.finish_reason is not None
-    peak = mx.get_peak_memory() - base
+    decode_peak = max(0, mx.get_peak_memory() - decode_base) if len(tokens) > 1 else 0
     gen.close()
-    return first - t0, last - first, tokens, peak
+    return first - t0, last - first, tokens, peak, decode_peak
+
+
+def admission_projection(info, plan: fast_prefill.FastPrefill, n: int) -> int:
+    """What admission projects a prompt of `n` tokens adds (KV + prefill transient, the
+    conversion included), as Admit's request_bytes would say with max_tokens 1."""
+    req = AdmissionRequest(model="m", prompt_tokens=tuple(range(n)), max_tokens=1,
+                           kv_bytes_per_token=info.kv_bytes_per_token,
+                           attention_heads=info.attention_heads, prefill_step_size=STEP,
+                           prefill_conversion=plan.transient)
+    return (n + 1) * info.kv_bytes_per_token + prefill_transient_bytes(req, n)
 
 
 def bench_model(name: str, path: Path, prompts: list[int], decode_tokens: int,
@@ -121,25 +139,30 @@ def bench_model(name: str, path: Path, prompts: list[int], decode_tokens: int,
     for fast in (True, False):  # warm both
         sides.set(fast)
         run_once(model, prompt_ids(info.tokenizer, 32), 2)
+    stock_runs: dict[int, tuple[float, int]] = {}  # prompts share their first tokens
+
+    def stock_run(ids: list[int]) -> tuple[float, int]:
+        if len(ids) not in stock_runs:
+            sides.set(False)
+            ttft, _, _, peak, _ = run_once(model, ids, 1)
+            stock_runs[len(ids)] = (ttft, peak)
+        return stock_runs[len(ids)]
+
     for n in prompts:
         ids = prompt_ids(info.tokenizer, n)
         sides.set(True)
-        f_ttft, _, _, f_peak = run_once(model, ids, 1)
-        sides.set(False)
+        f_ttft, _, _, f_peak, _ = run_once(model, ids, 1)
         probe = min(n, 64)
-        p_ttft, _, _, _ = run_once(model, ids[:probe], 1)
-        rate = probe / p_ttft
+        rate = probe / stock_run(ids[:probe])[0]
         stock_n = n if n / rate <= budget_s else max(probe, int(budget_s * rate) // 64 * 64)
-        if stock_n == probe:
-            s_ttft, s_peak = p_ttft, None
-        else:
-            s_ttft, _, _, s_peak = run_once(model, ids[:stock_n], 1)
+        s_ttft, s_peak = stock_run(ids[:stock_n])
         row = {
             "prompt_tokens": n, "stock_tokens": stock_n,
             "stock_tok_s": stock_n / s_ttft, "fast_tok_s": n / f_ttft,
-            "stock_peak_mib": None if s_peak is None or stock_n != n else s_peak / MiB,
+            "stock_peak_mib": s_peak / MiB if stock_n == n else None,
             "fast_peak_mib": f_peak / MiB,
             "projected_transient_mib": plan.transient.bytes_for(min(n, STEP), n) / MiB,
+            "admission_mib": admission_projection(info, plan, n) / MiB,
         }
         row["ratio"] = row["fast_tok_s"] / row["stock_tok_s"]
         out["prefill"].append(row)
@@ -148,7 +171,7 @@ def bench_model(name: str, path: Path, prompts: list[int], decode_tokens: int,
     dec = {}
     for fast in (True, False):
         sides.set(fast)
-        _, span, tokens, peak = run_once(model, ids, decode_tokens + 1)
+        _, span, tokens, _, peak = run_once(model, ids, decode_tokens + 1)
         dec["fast" if fast else "stock"] = {"tok_s": decode_tokens / span, "tokens": tokens,
                                             "peak_mib": peak / MiB}
     out["decode"] = {
@@ -160,22 +183,23 @@ def bench_model(name: str, path: Path, prompts: list[int], decode_tokens: int,
     }
     log(f"  decode: {out['decode']}")
     fast_prefill.uninstall(plan)
-    del info, model
     mx.clear_cache()
     return out
 
 
 def fmt(results: list[dict]) -> str:
     lines = ["| model | prompt tokens | stock tok/s | stock measured on | fast tok/s | ratio "
-             "| peak stock (MiB) | peak fast (MiB) | projected transient (MiB) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| peak stock (MiB) | peak fast (MiB) | conversion projected (MiB) "
+             "| admission projects (MiB) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         for p in r["prefill"]:
             sp = "-" if p["stock_peak_mib"] is None else f"{p['stock_peak_mib']:.1f}"
             lines.append(
                 f"| {r['model']} | {p['prompt_tokens']} | {p['stock_tok_s']:.1f} | "
                 f"{p['stock_tokens']} | {p['fast_tok_s']:.1f} | {p['ratio']:.1f}x | {sp} | "
-                f"{p['fast_peak_mib']:.1f} | {p['projected_transient_mib']:.1f} |")
+                f"{p['fast_peak_mib']:.1f} | {p['projected_transient_mib']:.1f} | "
+                f"{p['admission_mib']:.1f} |")
     lines += ["", "| model | decode path | stock tok/s | fast tok/s | ratio | peak stock (MiB) "
               "| peak fast (MiB) | same greedy tokens |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for r in results:
@@ -198,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", default=",".join(map(str, DEFAULT_PROMPTS)),
                     help="prompt lengths in tokens (default: %(default)s)")
     ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--stock-budget-s", type=float, default=40.0,
+    ap.add_argument("--stock-budget-s", type=float, default=30.0,
                     help="longest stock prefill run; longer prompts are measured on their "
                     "first tokens (default: %(default)s)")
     ap.add_argument("--json", type=Path, default=None, help="write the raw figures here")
