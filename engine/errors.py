@@ -25,6 +25,7 @@ DOMAIN = "plimsoll.dev"  # google.rpc.ErrorInfo.domain of every error
 # INVALID_ARGUMENT / OUT_OF_RANGE
 INVALID_FIELD = "INVALID_FIELD"  # a field is malformed
 FIELD_OUT_OF_RANGE = "FIELD_OUT_OF_RANGE"  # a field is well-formed but beyond a limit
+MALFORMED_REQUEST = "MALFORMED_REQUEST"  # the bytes do not parse as the request message
 # NOT_FOUND (with ResourceInfo)
 MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
 SESSION_NOT_FOUND = "SESSION_NOT_FOUND"
@@ -53,14 +54,25 @@ QUEUE_FULL = "QUEUE_FULL"
 IN_FLIGHT_LIMIT = "IN_FLIGHT_LIMIT"
 ADMISSION_TIMEOUT = "ADMISSION_TIMEOUT"
 LOAD_EXCEEDS_SOFT = "LOAD_EXCEEDS_SOFT"
+MAX_LOADED_MODELS = "MAX_LOADED_MODELS"
+MAX_MODEL_MEMORY = "MAX_MODEL_MEMORY"
 SUBSCRIBER_OVERFLOW = "SUBSCRIBER_OVERFLOW"
+LEASE_LIMIT = "LEASE_LIMIT"  # an owner holds --max-leases-per-owner leases
+WATCHER_LIMIT = "WATCHER_LIMIT"  # --max-watchers WatchPressure streams are open
 # ABORTED (with RetryInfo)
 ENFORCER_ABORT = "ENFORCER_ABORT"
 PREFILL_ABORT = "PREFILL_ABORT"
 MODEL_UNLOADED = "MODEL_UNLOADED"  # a forced unload ended the request
 LOAD_ABORTED = "LOAD_ABORTED"  # the enforcer aborted a load in progress
+CLIENT_STALLED = "CLIENT_STALLED"  # the client read nothing for --stream-stall-timeout
 # INTERNAL
 ENGINE_ERROR = "ENGINE_ERROR"
+# UNAUTHENTICATED (no credential, or not one this server knows; service/auth.py)
+INVALID_CREDENTIALS = "INVALID_CREDENTIALS"
+# PERMISSION_DENIED
+SCOPE_DENIED = "SCOPE_DENIED"  # the credential lacks the method's scope
+SOURCE_OUTSIDE_ROOTS = "SOURCE_OUTSIDE_ROOTS"  # LoadModel: a path outside --model-root
+HUB_DISABLED = "HUB_DISABLED"  # LoadModel: a repository id with --no-hub
 
 # What a NotFound names -> its reason (a call site may give only the resource type).
 _NOT_FOUND_REASONS = {
@@ -340,9 +352,35 @@ class Internal(PlimsollError):
                          metadata=metadata)
 
 
+class Unauthenticated(PlimsollError):
+    """No credential, or one the server does not know (UNAUTHENTICATED). The message
+    says only that; nothing tells a wrong token from a missing one or an unknown one."""
+
+    default_reason = INVALID_CREDENTIALS
+
+    def __init__(self, message: str = "missing or invalid credentials", *,
+                 reason: str = "") -> None:
+        super().__init__(message, reason=reason)
+
+
+class PermissionDenied(PlimsollError):
+    """The caller is known but may not do this: a scope it lacks, a LoadModel source
+    outside the model roots or from the hub when that is off (PERMISSION_DENIED).
+    `resource_type` / `resource_name` name the client's own input (the `source`)."""
+
+    default_reason = SCOPE_DENIED
+
+    def __init__(self, message: str, reason: str = "", *, resource_type: str = "",
+                 resource_name: str = "", metadata: Mapping[str, object] | None = None
+                 ) -> None:
+        super().__init__(message, reason=reason, metadata=metadata,
+                         resource_type=resource_type, resource_name=resource_name)
+
+
 # -- the table: every reason and the one class (code) that carries it -------------------
 REASONS: dict[str, type[PlimsollError]] = {
     INVALID_FIELD: InvalidArgument,
+    MALFORMED_REQUEST: InvalidArgument,
     FIELD_OUT_OF_RANGE: OutOfRange,
     MODEL_NOT_FOUND: NotFound,
     SESSION_NOT_FOUND: NotFound,
@@ -367,12 +405,21 @@ REASONS: dict[str, type[PlimsollError]] = {
     IN_FLIGHT_LIMIT: ResourceExhausted,
     ADMISSION_TIMEOUT: ResourceExhausted,
     LOAD_EXCEEDS_SOFT: ResourceExhausted,
+    MAX_LOADED_MODELS: ResourceExhausted,
+    MAX_MODEL_MEMORY: ResourceExhausted,
     SUBSCRIBER_OVERFLOW: ResourceExhausted,
+    LEASE_LIMIT: ResourceExhausted,
+    WATCHER_LIMIT: ResourceExhausted,
     ENFORCER_ABORT: Aborted,
     PREFILL_ABORT: Aborted,
     MODEL_UNLOADED: Aborted,
     LOAD_ABORTED: Aborted,
+    CLIENT_STALLED: Aborted,
     ENGINE_ERROR: Internal,
+    INVALID_CREDENTIALS: Unauthenticated,
+    SCOPE_DENIED: PermissionDenied,
+    SOURCE_OUTSIDE_ROOTS: PermissionDenied,
+    HUB_DISABLED: PermissionDenied,
 }
 # In BadRequest a mixed request (malformed and out-of-range fields) is INVALID_ARGUMENT /
 # INVALID_FIELD; each FieldViolation keeps its own reason.

@@ -59,6 +59,7 @@ class LoadedModel:
     measured_bytes: int = 0
     attention_heads: int = 1
     prefill_conversion: ConversionTransient | None = None
+    folder: str = ""  # the local folder it was loaded from (the cold tier hashes it)
 
     def facts(self) -> ModelFacts:
         return ModelFacts(self.context_length, self.vocab_size, self.kv_bytes_per_token,
@@ -132,6 +133,7 @@ def load_model(source: str) -> LoadedModel:
         kv_bytes_per_token=kv_bytes_per_token(config),
         weights_bytes=sum(p.nbytes for _, p in params),
         attention_heads=attention_heads(config),
+        folder=str(folder),
     )
 
 
@@ -139,8 +141,27 @@ def _looks_like_path(source: str) -> bool:
     return source.startswith(("/", ".", "~")) or source.count("/") > 1 or "\\" in source
 
 
+# A path longer than the OS's (PATH_MAX) names nothing; stat() would raise instead.
+MAX_SOURCE_CHARS = 4096
+
+
+def check_source(source: str) -> None:
+    """INVALID_ARGUMENT for a source no folder or repository can have: empty, over
+    MAX_SOURCE_CHARS, or holding a NUL or another control character."""
+    if not source:
+        raise InvalidArgument("source is empty: give a local folder or a repository id",
+                              "source")
+    if len(source) > MAX_SOURCE_CHARS:
+        raise InvalidArgument(f"source is {len(source)} characters long; a folder path or "
+                              f"repository id has at most {MAX_SOURCE_CHARS}", "source")
+    if any(ord(c) < 32 or ord(c) == 127 for c in source):
+        raise InvalidArgument("source holds a control character (a NUL, a newline...); "
+                              "no folder or repository id does", "source")
+
+
 def resolve_source(source: str) -> Path:
     """The local folder to load `source` from, fetching a repository id first."""
+    check_source(source)
     path = Path(source).expanduser()
     if path.is_dir():
         return path

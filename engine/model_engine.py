@@ -17,7 +17,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from engine import allocator, fast_prefill
+from engine import allocator, fast_prefill, kv_snapshot
 from engine.demo_models import dtype_bytes
 from engine.errors import (
     ENGINE_ERROR,
@@ -77,6 +77,18 @@ class EngineSettings:
     fast_decode: str = "auto"  # quantized decode: "auto" (measured at load), "stock", "fp32"
 
 
+def _stop_sequences(req: GenerationRequest, eos: StopSequences, no_stop: StopSequences,
+                    eos_ids: Iterable[int]) -> StopSequences:
+    """EOS (unless ignore_eos) and the request's stop ids; the shared automata when
+    it has no stop ids, so the common case builds nothing per request."""
+    if not req.stop_token_ids:
+        return no_stop if req.ignore_eos else eos
+    ids = set(req.stop_token_ids)
+    if not req.ignore_eos:
+        ids.update(eos_ids)
+    return StopSequences([(t,) for t in sorted(ids)])
+
+
 @dataclass
 class _Live:
     """Engine-thread state of one request in the batch."""
@@ -91,6 +103,7 @@ class _Live:
     generated: int = 0  # tokens sampled (each holds KV), the end-of-sequence one too
     sent: int = 0  # token ids released to the client (completion_tokens)
     prefilled: int = 0  # prompt tokens processed so far (cached ones excluded)
+    stop_token: int | None = None  # the stop id (or EOS) that ended it
 
 
 @dataclass(frozen=True)
@@ -175,6 +188,15 @@ class _Insert:
 class _Cancel:
     request_ids: Sequence[str] | None  # None: every request
     error: PlimsollError | None  # None: the client left, nobody to tell
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
+class _Call:
+    """Run `fn` on the engine thread at the next inbox drain (MLX work that must
+    happen there, e.g. building a restored cache); `done` resolves to its result."""
+
+    fn: Callable[[], Any]
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -265,6 +287,12 @@ class ModelEngine:
         # Only the engine thread counts it (waiting_requests), once it takes it.
         self._put(_Insert(request, sink, cache, cached_tokens))
 
+    def call(self, fn: Callable[[], _T]) -> concurrent.futures.Future[_T]:
+        """Runs `fn` on the engine thread between steps; the future holds its result."""
+        cmd = _Call(fn)
+        self._put(cmd)
+        return cmd.done
+
     def cancel(self, request_id: str) -> None:
         """The client left: drop the sequence at the next step, tell nobody."""
         self._put(_Cancel([request_id], None))
@@ -339,7 +367,7 @@ class ModelEngine:
         """Requests in the batch or held; the pool's in_use covers the inbox."""
         return self.stats.active_requests + self.stats.waiting_requests > 0
 
-    def _put(self, cmd: _Insert | _Cancel | None) -> None:
+    def _put(self, cmd: _Insert | _Cancel | _Call | None) -> None:
         with self._inbox_lock:
             if not self._closed:
                 self._inbox.put(cmd)
@@ -488,6 +516,11 @@ class ModelEngine:
                 continue
             if isinstance(cmd, _Insert):
                 self._held.append(cmd)
+            elif isinstance(cmd, _Call):
+                try:
+                    _settle(cmd.done, cmd.fn())
+                except Exception as exc:  # noqa: BLE001 - the caller gets it
+                    _fail(cmd.done, exc)
             else:
                 self._cancel(gen, cmd, live, by_id, outbox)
         self._admit_held(gen, live, by_id, eos, no_stop)
@@ -500,14 +533,18 @@ class ModelEngine:
     def _insert(self, gen, cmd: _Insert, live, by_id, eos, no_stop) -> None:
         req = cmd.request
         tokens = req.prompt_tokens[cmd.cached_tokens :]
+        # A quantized bank snapshot is dequantized into fresh caches here (the batch
+        # cannot merge quantized ones); the bank keeps its quantized copy.
+        cache = kv_snapshot.thaw(cmd.cache) if cmd.cache is not None else None
         (uid,) = gen.insert(
             [tokens],
             max_tokens=[req.max_tokens],
-            caches=[cmd.cache] if cmd.cache is not None else None,
+            caches=[cache] if cache is not None else None,
             all_tokens=[req.prompt_tokens[: cmd.cached_tokens]],
             samplers=[make_request_sampler(req.sampling)],
             logits_processors=[make_request_processors(req.sampling)],
-            stop_sequences=[no_stop if req.ignore_eos else eos],
+            stop_sequences=[_stop_sequences(req, eos, no_stop,
+                                            self.info.tokenizer.eos_token_ids)],
         )
         item = _Live(
             request=req,
@@ -557,7 +594,10 @@ class ModelEngine:
                 item.first_token_at = now
                 self._urgent = True  # time to first token is never held back
             req = item.request
-            is_eos = r.finish_reason == "stop" and r.token in eos_ids and not req.ignore_eos
+            is_eos = r.finish_reason == "stop" and (
+                r.token in req.stop_token_ids or (r.token in eos_ids and not req.ignore_eos))
+            if is_eos:
+                item.stop_token = r.token
             # Ids go out only with their text, and neither holds a stop string's tokens
             # nor the end-of-sequence token (engine/textstream.py has the rule).
             pieces = [] if is_eos else item.text.add(r.token)
@@ -695,6 +735,7 @@ class ModelEngine:
             ttft_seconds=first - item.request.created_at,
             decode_seconds=now - first,
             matched_stop=item.text.matched,
+            matched_stop_token=item.stop_token,
         )
 
     def _deliver(self, outbox: list[tuple[asyncio.Queue, Event]], flush: bool) -> None:
@@ -802,10 +843,13 @@ def _take_all(waiting: queue.SimpleQueue[_T]) -> list[_T]:
             return taken
 
 
-def _answer_unrun(cmd: _Insert | _Cancel | None, err: PlimsollError, outbox: list) -> None:
-    """A command the engine thread will never run: fail an insert, end nothing."""
+def _answer_unrun(cmd: _Insert | _Cancel | _Call | None, err: PlimsollError,
+                  outbox: list) -> None:
+    """A command the engine thread will never run: fail an insert or a call, end nothing."""
     if isinstance(cmd, _Insert):
         outbox.append((cmd.sink, Failed(err)))
+    elif isinstance(cmd, _Call):
+        _fail(cmd.done, err)
     elif isinstance(cmd, _Cancel):
         _settle(cmd.done, [])
 

@@ -20,12 +20,11 @@ from engine.errors import (
     Aborted,
     AlreadyExists,
     FailedPrecondition,
-    InvalidArgument,
     NotFound,
     PlimsollError,
     Unavailable,
 )
-from engine.loading import default_model_id, estimate_load_bytes
+from engine.loading import check_source, default_model_id, estimate_load_bytes
 from engine.model_engine import (
     EngineSettings,
     FinishHook,
@@ -59,6 +58,19 @@ class ModelState(Enum):
     UNLOADED = 4
 
 
+@dataclass(frozen=True)
+class KeepAlive:
+    """A model's keep-alive as a request sets it: unloaded once unused `seconds`;
+    None keeps it loaded (until pressure, the loaded-model limits or UnloadModel)."""
+
+    seconds: float | None
+
+    @classmethod
+    def from_seconds(cls, seconds: float) -> KeepAlive:
+        """The wire's convention: negative keeps the model loaded."""
+        return cls(None if seconds < 0 else seconds)
+
+
 @dataclass
 class ModelEntry:
     model_id: str
@@ -79,6 +91,9 @@ class ModelEntry:
     pins: int = 0  # leases on the model (ControlService.Pin)
     pending_unload_reason: str = ""
     is_default: bool = False
+    # Unloaded by the governor once unused this long (memory.plans.model_limits);
+    # None: kept loaded until pressure or UnloadModel. A Generate may renew or set it.
+    keep_alive_s: float | None = None
 
     @property
     def pinned(self) -> bool:
@@ -269,9 +284,7 @@ class ModelPool:
         if self._closed:
             raise Unavailable("the server is shutting down; load on another replica",
                               retry_after_s=1.0, reason=errors.DRAINING)
-        if not source:
-            raise InvalidArgument("source is empty: give a local folder or a repository id",
-                                  "source")
+        check_source(source)
         model_id = model_id or default_model_id(source)
         new = False
         async with self._lock:

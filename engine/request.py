@@ -65,6 +65,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     session_id: str = ""
     max_tokens_per_chunk: int = 0
+    # Token ids that end the sequence like EOS does (withheld from the output), and
+    # also under ignore_eos: SMG's MLX protocol sends stops as ids, not strings.
+    stop_token_ids: tuple[int, ...] = ()
     created_at: float = field(default_factory=time.monotonic)
 
 
@@ -96,13 +99,25 @@ def validate_against_model(
         v.raise_if_any()
 
 
+# Stop strings are matched against every decoded character: bounded so that a request
+# cannot make each token's check arbitrarily slow (OpenAI allows 4 strings).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
 def validate_stop(stop: tuple[str, ...] | list[str],
                   violations: Violations | None = None) -> None:
-    """Stop strings: none may be empty (it would match at once)."""
+    """Stop strings: none may be empty (it would match at once); at most
+    MAX_STOP_STRINGS of at most MAX_STOP_CHARS characters each."""
     v = Violations() if violations is None else violations
-    for i, s in enumerate(stop):
+    if len(stop) > MAX_STOP_STRINGS:
+        v.out_of_range("stop", f"stop has {len(stop)} strings; the limit is {MAX_STOP_STRINGS}")
+    for i, s in enumerate(stop[:MAX_STOP_STRINGS]):
         if not s:
             v.invalid(f"stop[{i}]", f"stop[{i}] is empty: a stop string needs a character")
+        elif len(s) > MAX_STOP_CHARS:
+            v.out_of_range(f"stop[{i}]", f"stop[{i}] is {len(s)} characters; the limit is "
+                           f"{MAX_STOP_CHARS}")
     if violations is None:
         v.raise_if_any()
 
@@ -147,6 +162,7 @@ class Finished:
     ttft_seconds: float
     decode_seconds: float
     matched_stop: str = ""  # the stop string that ended it, if one did
+    matched_stop_token: int | None = None  # the stop token id (or EOS) that ended it
 
 
 @dataclass

@@ -36,6 +36,9 @@ REASON_OS_CRITICAL = "memory_pressure_critical"
 REASON_OS_RECLAIM = "os_pressure_reclaim"
 REASON_DYNAMIC_CEILING = "dynamic_ceiling"
 REASON_IDLE_TTL = "idle_ttl"
+REASON_KEEP_ALIVE = "keep_alive"  # a model unused for its keep-alive
+REASON_MAX_LOADED_MODELS = "max_loaded_models"
+REASON_MAX_MODEL_MEMORY = "max_model_memory"
 REASON_PREFILL_EXCEEDS_CEILING = "prefill_exceeds_ceiling"
 
 # -- measurement / transition reasons ------------------------------------------

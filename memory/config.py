@@ -53,6 +53,15 @@ class AbortOrder(enum.StrEnum):
 
 
 @dataclass(frozen=True)
+class ModelLimits:
+    """How many models may be loaded, and how many bytes of them (None: no limit);
+    enforced by memory.plans.model_limits."""
+
+    max_loaded_models: int | None = None
+    max_model_bytes: int | None = None
+
+
+@dataclass(frozen=True)
 class MemoryConfig:
     enabled: bool = True
     tier: Tier = Tier.BALANCED
@@ -75,6 +84,9 @@ class MemoryConfig:
     prefill_min_chunk_tokens: int = PREFILL_MIN_CHUNK_TOKENS
     prefill_max_chunk_tokens: int = PREFILL_MAX_CHUNK_TOKENS
     load_warmup_s: float = LOAD_WARMUP_S  # 0: no warm-up
+    # Loaded-model limits (memory.plans.model_limits); None: no limit.
+    max_loaded_models: int | None = None
+    max_model_bytes: int | None = None
 
     # -- derived ---------------------------------------------------------------
     @property
@@ -84,6 +96,10 @@ class MemoryConfig:
     @property
     def effective_hard_fraction(self) -> float:
         return self.hard_fraction if self.hard_fraction is not None else HARD_THRESHOLD
+
+    @property
+    def model_limits(self) -> ModelLimits:
+        return ModelLimits(self.max_loaded_models, self.max_model_bytes)
 
     @property
     def custom_ceiling_bytes(self) -> int | None:
@@ -126,6 +142,10 @@ class MemoryConfig:
             )
         if self.operator_cap_bytes is not None and self.operator_cap_bytes <= 0:
             errors.append(f"operator_cap_bytes must be > 0, got {self.operator_cap_bytes}")
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            errors.append(f"max_loaded_models must be >= 1, got {self.max_loaded_models}")
+        if self.max_model_bytes is not None and self.max_model_bytes <= 0:
+            errors.append(f"max_model_bytes must be > 0, got {self.max_model_bytes}")
         if not 0 <= self.load_warmup_s < math.inf:
             errors.append(f"load_warmup_s must be finite and >= 0, got {self.load_warmup_s}")
         for name in ("pool_reclaim_floor_bytes", "reclaim_grace_polls", "emergency_margin_bytes"):
@@ -151,7 +171,8 @@ class MemoryConfig:
     def from_mapping(cls, mapping: Mapping[str, Any]) -> MemoryConfig:
         """Build from TOML/CLI-style keys (dashes or underscores); validates.
 
-        ``operator_cap_gib`` is accepted as an alias of ``operator_cap_bytes``.
+        ``operator_cap_gib`` and ``max_model_memory_gib`` are accepted for
+        ``operator_cap_bytes`` and ``max_model_bytes``.
         A None value means "not given" (an unset CLI flag) and keeps the default.
         Giving ``custom_ceiling_gib`` without ``tier`` selects tier custom.
         """
@@ -159,19 +180,19 @@ class MemoryConfig:
         unknown: list[str] = []
         for raw_key, value in mapping.items():
             key = str(raw_key).replace("-", "_")
-            if key not in _FIELDS and key != "operator_cap_gib":
+            if key not in _FIELDS and key not in _GIB_ALIASES:
                 unknown.append(str(raw_key))
                 continue
             if value is None:
                 continue  # an unset CLI flag: keep the default
-            if key == "operator_cap_gib":
-                values["operator_cap_bytes"] = int(_number(key, value) * GIB)
+            if key in _GIB_ALIASES:
+                values[_GIB_ALIASES[key]] = int(_number(key, value) * GIB)
                 continue
             values[key] = value
         if unknown:
             raise ValueError(
                 f"unknown memory setting(s): {', '.join(sorted(unknown))}; "
-                f"valid keys: {', '.join(sorted([*_FIELDS, 'operator_cap_gib']))}"
+                f"valid keys: {', '.join(sorted([*_FIELDS, *_GIB_ALIASES]))}"
             )
         if "tier" not in values and values.get("custom_ceiling_gib") is not None:
             values["tier"] = Tier.CUSTOM
@@ -192,6 +213,7 @@ def load_memory_config(path: str | Path) -> MemoryConfig:
 # ---------------------------------------------------------------------------
 
 _FIELDS = {f.name: f for f in dataclasses.fields(MemoryConfig)}
+_GIB_ALIASES = {"operator_cap_gib": "operator_cap_bytes", "max_model_memory_gib": "max_model_bytes"}
 _BOOL_KEYS = {"enabled", "pressure_reclaim"}
 _INT_KEYS = {
     "operator_cap_bytes",
@@ -201,8 +223,11 @@ _INT_KEYS = {
     "emergency_polls",
     "prefill_min_chunk_tokens",
     "prefill_max_chunk_tokens",
+    "max_loaded_models",
+    "max_model_bytes",
 }
-_OPTIONAL_KEYS = {"custom_ceiling_gib", "soft_fraction", "hard_fraction", "operator_cap_bytes"}
+_OPTIONAL_KEYS = {"custom_ceiling_gib", "soft_fraction", "hard_fraction", "operator_cap_bytes",
+                  "max_loaded_models", "max_model_bytes"}
 
 
 def _choices(enum_type: type[enum.Enum]) -> str:

@@ -43,6 +43,7 @@ from memory.plans.admission import (
     admission_plan,
 )
 from memory.plans.load import LoadResult, load_plan
+from memory.plans.model_limits import next_expiry_s
 from memory.plans.steps import Execute, Measure, Snapshot, Step
 from memory.plans.tick import PolicyState, TickResult, tick_plan
 from memory.protocols import PressureSink
@@ -57,6 +58,8 @@ R = TypeVar("R")
 
 # How long one reading may serve the admissions of a burst (nothing freed meanwhile).
 ADMISSION_READING_SHARE_S = 0.05
+# The soonest the governor ticks again for a keep-alive that has run out.
+KEEP_ALIVE_TICK_MIN_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -279,7 +282,7 @@ class Governor:
             self._notify_sample(self._last_sample)
             return result
 
-    async def make_room_for_load(self, model_id: str, estimate: int) -> LoadResult:
+    async def make_room_for_load(self, model_id: str, estimate: int | None) -> LoadResult:
         """Before a load: evict idle LRU models down to soft, or refuse with the numbers."""
         self.wake()
         result = await self._decide(lambda: load_plan(model_id, estimate, self._config))
@@ -435,11 +438,17 @@ class Governor:
 
     def _select_interval(self, result: TickResult) -> float:
         views = result.engines
-        return poll_interval(
-            result.level, self._clock(), self._hint_until, any(v.loading for v in views),
+        now = self._clock()
+        interval = poll_interval(
+            result.level, now, self._hint_until, any(v.loading for v in views),
             views, active_s=self._config.active_poll_s, idle_s=self._config.idle_poll_s,
             empty_s=self._config.empty_poll_s, os_pressure=result.readings.os_pressure,
         )
+        # A keep-alive running out before the next poll: tick then, not up to 10 s late.
+        expiry = next_expiry_s(views, now)
+        if expiry is not None:
+            interval = min(interval, max(KEEP_ALIVE_TICK_MIN_S, expiry))
+        return interval
 
     # -- reporting ---------------------------------------------------------------------------
     def _publish_transition(self, transition: Transition, snap: Snapshot) -> None:

@@ -40,6 +40,8 @@ class EngineView:
     # (never inside a warm-up). Idle eviction spares a model this young (see
     # memory.plans.eviction).
     loaded_age_s: float | None = None
+    # Unloaded once unused this long (memory.plans.model_limits); None: kept loaded.
+    keep_alive_s: float | None = None
 
     @property
     def busy(self) -> bool:
@@ -65,6 +67,10 @@ class BankFigures:
     chain_freeable_bytes: int = 0  # shrink_for_admission(0, prompt) could free after that
     chain_freeable_entries: int = 0
     restore_prefix_tokens: int = 0  # the prompt's restore source length
+    # The disk tier's source when it is longer than RAM's (then restore_prefix_tokens is
+    # its length): a disk restore allocates its bytes, which RAM's source already holds.
+    restore_disk_tokens: int = 0
+    restore_disk_bytes: int = 0
 
 
 @dataclass(frozen=True)

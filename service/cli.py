@@ -18,10 +18,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine import blas
 from engine.demo_models import DEMO_SIZES
 from engine.model_engine import EngineSettings
+from engine.pool import KeepAlive
 from memory.config import MemoryConfig
 from memory.plans.admission import validate_scheduler_settings
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
-from service import operator_cli
+from service import auth, operator_cli
+from service.cli_common import add_access, open_aio_channel
+from service.readiness import DEFAULT_HOLD_S
 from service.server import MiB, ServerConfig, serve
 from telemetry.setup import TelemetrySettings
 
@@ -39,6 +42,7 @@ def _add_target(p: argparse.ArgumentParser) -> None:
                    help="server port (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds before the call gives up (default: %(default)s)")
+    add_access(p)  # --token, --tls-ca, --tls-cert, --tls-key
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill bf16/fp16/quantized models with MLX's own kernels instead "
                    "of converting one layer at a time to float32 for the optimized BLAS "
                    "(Linux CPU; see engine/fast_prefill.py)")
+    s.add_argument("--max-watchers", type=int, default=256, metavar="N",
+                   help="WatchPressure streams open at once; more are refused "
+                   "RESOURCE_EXHAUSTED / WATCHER_LIMIT (default: %(default)s)")
+    s.add_argument("--max-leases-per-owner", type=int, default=64, metavar="N",
+                   help="Pin leases one owner may hold at once; more are refused "
+                   "RESOURCE_EXHAUSTED / LEASE_LIMIT (default: %(default)s)")
+    s.add_argument("--stream-stall-timeout", type=float, default=30.0, metavar="S",
+                   help="end a Generate stream (ABORTED, CLIENT_STALLED) whose client has "
+                   "read nothing for this long, freeing its batch slot (default: %(default)s)")
     s.add_argument("--stream-interval-ms", type=float, default=2.0,
                    help="send steady token chunks at most this often; first tokens and "
                    "ends go at once; 0 sends every token (default: %(default)s)")
@@ -115,6 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("--load-warmup", type=float, default=None, metavar="S",
                      help="a just-loaded model is spared idle eviction this long, except "
                      "at hard pressure and above; 0 turns it off (default: 10)")
+    mem.add_argument("--keep-alive", type=float, default=None, metavar="S",
+                     help="unload a model loaded by LoadModel once unused this long, when "
+                     "its request sets no keep_alive (negative: keep loaded); models named "
+                     "with --model are kept loaded (default: kept loaded)")
+    mem.add_argument("--max-loaded-models", type=int, default=None, metavar="N",
+                     help="at most N models loaded; a load unloads idle LRU unpinned models "
+                     "first, or is refused (default: no limit)")
+    mem.add_argument("--max-model-memory-gb", type=float, default=None, metavar="GB",
+                     help="at most this much measured model memory loaded; same eviction "
+                     "order (default: no limit)")
     mem.add_argument("--abort-order", choices=["all", "youngest", "largest"], default=None,
                      help="which requests a busy victim loses first at hard pressure "
                      "(default: all)")
@@ -141,9 +164,27 @@ def build_parser() -> argparse.ArgumentParser:
     adm.add_argument("--session-bank-gb", type=float, default=8.0, metavar="GIB",
                      help="most bytes the session bank may hold (default: %(default)s; the "
                      "enforcer's dynamic ceiling may hold it lower)")
+    adm.add_argument("--session-disk-dir", default="", metavar="DIR",
+                     help="keep session snapshots the bank sheds (pressure, caps, idle TTL, "
+                     "model unloads, shutdown) in this folder and restore from it, across "
+                     "restarts too (default: off, shed snapshots are dropped)")
+    adm.add_argument("--session-disk-gb", type=float, default=32.0, metavar="GIB",
+                     help="most bytes the disk tier may hold; it also holds at most 10%% of "
+                     "the disk's free space at start (default: %(default)s)")
+    adm.add_argument("--session-disk-write-gb-per-hour", type=float, default=16.0,
+                     metavar="GIB", help="most bytes the disk tier writes in any hour; "
+                     "0: no limit (default: %(default)s)")
+    adm.add_argument("--session-disk-min-free-gb", type=float, default=2.0, metavar="GIB",
+                     help="never write a snapshot that would leave less free disk than this "
+                     "(default: %(default)s)")
+    adm.add_argument("--session-kv-bits", type=int, choices=(0, 4, 8), default=0,
+                     help="keep bank snapshots (RAM and disk) as mlx-lm's quantized KV cache "
+                     "of this many bits: 2-4x more sessions per byte; 0: full precision "
+                     "(default: %(default)s)")
     adm.add_argument("--session-idle-ttl", type=float, default=3600.0, metavar="S",
                      help="drop a session's cache after this long unused, checked every "
                      "enforcer tick (default: %(default)s)")
+    auth.add_serve_arguments(s)  # --tls-*, --token-file, --insecure, --model-root, --no-hub
     s.add_argument("--otlp-endpoint", default="",
                    help="send traces and metrics over OTLP/gRPC to this endpoint "
                    "(default: the OTEL_EXPORTER_OTLP_ENDPOINT variable; none: nothing leaves)")
@@ -159,6 +200,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: off)")
     s.add_argument("--http-host", default="127.0.0.1",
                    help="address the web dashboard binds (default: %(default)s)")
+    s.add_argument("--agent-port", type=int, default=None, metavar="PORT",
+                   help="answer HAProxy's agent-check on this TCP port: 'up ready 100%%' at "
+                   "ok, 'up ready 50%%' at soft, 'drain' at hard and through the "
+                   "--unready-hold-seconds after it, 'down #emergency', 'down #draining' on "
+                   "SIGTERM; 0 picks a free one (default: off)")
+    s.add_argument("--agent-host", default="127.0.0.1",
+                   help="address the agent check binds (default: %(default)s)")
+    s.add_argument("--unready-hold-seconds", type=float, default=DEFAULT_HOLD_S, metavar="S",
+                   help="inference health turns NOT_SERVING at hard pressure and SERVING "
+                   "again only once the level has stayed below hard this long "
+                   "(default: %(default)s)")
     s.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"],
                    help="log verbosity (default: %(default)s)")
@@ -194,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _channel(args) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(f"{args.host}:{args.port}")
+    return open_aio_channel(args)  # TLS and the token when given
 
 
 def _describe(err: grpc.aio.AioRpcError, args) -> str:
@@ -271,6 +323,8 @@ def memory_config(args) -> MemoryConfig:
         "empty_poll_s": args.poll_empty,
         "abort_order": args.abort_order,
         "load_warmup_s": args.load_warmup,
+        "max_loaded_models": args.max_loaded_models,
+        "max_model_memory_gib": args.max_model_memory_gb,
         "enabled": False if args.no_enforcer else None,
     }
     values.update({k: v for k, v in flags.items() if v is not None})
@@ -290,6 +344,8 @@ def _serve(args) -> int:
         demo_size=args.demo_size,
         cache_dir=args.cache_dir,
         max_message_bytes=args.max_message_mb * MiB,
+        stream_stall_timeout_s=args.stream_stall_timeout,
+        max_watchers=args.max_watchers,
         drain_grace_s=args.drain_seconds,
         engine=EngineSettings(max_num_seqs=args.max_num_seqs,
                               prefill_step_size=args.prefill_step_size,
@@ -300,8 +356,21 @@ def _serve(args) -> int:
         metrics_port=args.metrics_port,
         http_host=args.http_host,
         http_port=args.http_port,
+        agent_host=args.agent_host,
+        agent_port=args.agent_port,
+        unready_hold_s=args.unready_hold_seconds,
     )
     config.memory = memory_config(args)
+    try:
+        config.access = auth.access_from_args(args)
+        refusal, warnings = auth.preflight(args.host, config.access)
+    except ValueError as err:  # AccessError, TlsError: a file or flag that cannot be used
+        raise CliError(str(err)) from err
+    if refusal is not None:
+        print(f"plimsoll: {refusal}", file=sys.stderr)
+        return 2
+    for warning in warnings:
+        print(f"plimsoll: warning: {warning}", file=sys.stderr)
     rt = config.service
     rt.max_queued_requests = args.max_queued_requests
     rt.scheduler_mode = args.scheduler_mode
@@ -314,6 +383,15 @@ def _serve(args) -> int:
     rt.bank_max_bytes = int(args.session_bank_gb * 1024**3)
     rt.bank_per_session_max_bytes = min(rt.bank_per_session_max_bytes, rt.bank_max_bytes)
     rt.bank_idle_ttl_s = args.session_idle_ttl
+    rt.max_leases_per_owner = args.max_leases_per_owner
+    rt.session_disk_dir = args.session_disk_dir
+    rt.session_disk_cap_bytes = int(args.session_disk_gb * 1024**3)
+    rt.session_disk_write_bytes_per_hour = (int(args.session_disk_write_gb_per_hour * 1024**3)
+                                            if args.session_disk_write_gb_per_hour > 0 else None)
+    rt.session_disk_min_free_bytes = int(args.session_disk_min_free_gb * 1024**3)
+    rt.session_kv_bits = args.session_kv_bits
+    if args.keep_alive is not None:
+        rt.keep_alive_s = KeepAlive.from_seconds(args.keep_alive).seconds
     try:
         validate_scheduler_settings(rt.scheduler_mode, args.max_num_seqs,
                                     queue_limit=rt.admission_queue_limit)
@@ -322,13 +400,20 @@ def _serve(args) -> int:
     for name, value in (("--max-num-seqs", args.max_num_seqs),
                         ("--prefill-step-size", args.prefill_step_size),
                         ("--max-queued-requests", args.max_queued_requests),
-                        ("--max-message-mb", args.max_message_mb)):
+                        ("--max-message-mb", args.max_message_mb),
+                        ("--stream-stall-timeout", args.stream_stall_timeout),
+                        ("--max-watchers", args.max_watchers),
+                        ("--max-leases-per-owner", args.max_leases_per_owner)):
         if value <= 0:
             raise CliError(f"{name} must be > 0, got {value}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise CliError(f"--metrics-port must be 0..65535, got {args.metrics_port}")
     if args.http_port is not None and not 0 <= args.http_port <= 65535:
         raise CliError(f"--http-port must be 0..65535, got {args.http_port}")
+    if args.agent_port is not None and not 0 <= args.agent_port <= 65535:
+        raise CliError(f"--agent-port must be 0..65535, got {args.agent_port}")
+    if args.unready_hold_seconds < 0:
+        raise CliError(f"--unready-hold-seconds must be >= 0, got {args.unready_hold_seconds}")
     if args.drain_seconds < 0:
         raise CliError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
     if args.no_optimized_blas and blas.state().optimized:

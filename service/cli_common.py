@@ -7,11 +7,14 @@ Kept free of the server's own modules (no MLX import) so a client verb starts fa
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
 import re
 import sys
 from collections.abc import Mapping
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -46,10 +49,121 @@ def add_target(p: argparse.ArgumentParser, timeout: float = 600.0) -> None:
                    help="seconds before the call gives up (default: %(default)s)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON document (JSON lines for streams) instead of text")
+    add_access(p)
 
 
 def address(args: argparse.Namespace) -> str:
     return f"{args.host}:{args.port}"
+
+
+# -- credentials (a server with TLS or tokens; docs/security.md) ----------------------
+TOKEN_ENV = "PLIMSOLL_TOKEN"  # the same variable `plimsoll serve` reads
+
+
+def add_access(p: argparse.ArgumentParser) -> None:
+    """--token, --tls-ca, --tls-cert, --tls-key: how a client verb reaches a secured server."""
+    p.add_argument("--token", default=None, metavar="TOKEN",
+                   help=f"bearer token to send (default: ${TOKEN_ENV}, if set)")
+    p.add_argument("--tls-ca", type=Path, default=None, metavar="PEM",
+                   help="connect with TLS, trusting this CA (any of the --tls-* flags "
+                   "turns TLS on; with none of them the system roots are not used)")
+    p.add_argument("--tls-cert", type=Path, default=None, metavar="PEM",
+                   help="client certificate for mutual TLS (with --tls-key)")
+    p.add_argument("--tls-key", type=Path, default=None, metavar="PEM",
+                   help="the private key of --tls-cert")
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    token = getattr(args, "token", None)
+    return token if token is not None else (os.environ.get(TOKEN_ENV) or None)
+
+
+def channel_credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """TLS credentials from --tls-*, or None for a plain channel."""
+    ca, cert, key = (getattr(args, n, None) for n in ("tls_ca", "tls_cert", "tls_key"))
+    if ca is None and cert is None and key is None:
+        return None
+    if (cert is None) != (key is None):
+        raise OperatorError("--tls-cert and --tls-key go together")
+    try:
+        return grpc.ssl_channel_credentials(
+            root_certificates=ca.read_bytes() if ca is not None else None,
+            private_key=key.read_bytes() if key is not None else None,
+            certificate_chain=cert.read_bytes() if cert is not None else None)
+    except OSError as err:
+        raise OperatorError(f"cannot read {err.filename}: {err.strerror}") from None
+
+
+class _CallDetails(collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                         "compression")), grpc.ClientCallDetails):
+    pass
+
+
+def _with_token(metadata, token: str) -> list[tuple[str, str]]:
+    return [*(metadata or ()), ("authorization", f"Bearer {token}")]
+
+
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+              grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer` to every call. Metadata rather than gRPC call
+    credentials, which refuse a plain channel (a loopback server with tokens, no TLS)."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        return _CallDetails(d.method, d.timeout, _with_token(d.metadata, self._token),
+                            d.credentials, d.wait_for_ready, getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+
+class _AioBearer(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def _details(self, d: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        return grpc.aio.ClientCallDetails(d.method, d.timeout,
+                                          _with_token(d.metadata, self._token),
+                                          d.credentials, d.wait_for_ready)
+
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    """A channel to the verb's server: TLS with --tls-*, the token with --token."""
+    creds = channel_credentials(args)
+    target = address(args)
+    channel = (grpc.secure_channel(target, creds) if creds is not None
+               else grpc.insecure_channel(target))
+    token = _token(args)
+    return grpc.intercept_channel(channel, _Bearer(token)) if token else channel
+
+
+def open_aio_channel(args: argparse.Namespace) -> grpc.aio.Channel:
+    """The same, for grpc.aio."""
+    creds = channel_credentials(args)
+    token = _token(args)
+    interceptors = [_AioBearer(token)] if token else None
+    target = address(args)
+    if creds is not None:
+        return grpc.aio.secure_channel(target, creds, interceptors=interceptors)
+    return grpc.aio.insecure_channel(target, interceptors=interceptors)
 
 
 # -- numbers and names ---------------------------------------------------------------

@@ -10,33 +10,48 @@ import asyncio
 import contextlib
 
 from engine.errors import (
+    LEASE_LIMIT,
     MODEL_PINNED,
     FailedPrecondition,
     NotFound,
     ResourceExhausted,
     Unavailable,
 )
-from engine.pool import ModelEntry, ModelPool, ModelState, UnloadResult
+from engine.pool import KeepAlive, ModelEntry, ModelPool, ModelState, UnloadResult
+from memory.config import ModelLimits
 from memory.governor import Governor
 from service.lifecycle import Lifecycle, settle_heap
-from sessions.bank import SessionBank
+from sessions.bank import REASON_MODEL_UNLOADED, SessionBank
+from sessions.cold_tier import ColdTier
 from sessions.leases import HeldLease, Leases
+
+# Leases one owner may hold at once (owner "" is one owner too): a bound on the
+# lease table a single client can grow.
+DEFAULT_MAX_LEASES_PER_OWNER = 64
 
 
 class ControlPlane:
     def __init__(self, pool: ModelPool, governor: Governor, leases: Leases, bank: SessionBank,
-                 lifecycle: Lifecycle) -> None:
+                 lifecycle: Lifecycle, default_keep_alive: KeepAlive | None = None,
+                 max_leases_per_owner: int = DEFAULT_MAX_LEASES_PER_OWNER) -> None:
+        self.default_keep_alive = default_keep_alive or KeepAlive(None)
+        self.max_leases_per_owner = max_leases_per_owner
         self.pool = pool
         self.governor = governor
         self.leases = leases
         self.bank = bank
+        self.cold: ColdTier | None = None  # the session cold tier, when on
         self.lifecycle = lifecycle
 
     # -- models -----------------------------------------------------------------------
-    async def load_model(self, source: str, model_id: str = "") -> ModelEntry:
+    async def load_model(self, source: str, model_id: str = "",
+                         keep_alive: KeepAlive | None = None) -> ModelEntry:
+        """Loads (or finds loaded) and sets its keep-alive: the request's, else the
+        server's --keep-alive, as every LoadModel does."""
         if self.lifecycle.draining:
             raise Unavailable("server is draining", retry_after_s=1.0, reason="DRAINING")
         entry = await self.pool.load(source, model_id)
+        entry.keep_alive_s = (keep_alive or self.default_keep_alive).seconds
         settle_heap()
         return entry
 
@@ -58,7 +73,9 @@ class ControlPlane:
     async def make_room_for_load(self, entry: ModelEntry, estimate: int | None) -> None:
         """Before a load (the pool's load guard): evict idle LRU models down to the
         soft mark; refuse when the model cannot fit under the soft mark even then."""
-        if estimate is None or not self.governor.config.enabled:
+        config = self.governor.config
+        limited = config.model_limits != ModelLimits()
+        if not limited and (estimate is None or not config.enabled):
             return  # a repository not downloaded yet: the tick handles what follows
         result = await self.governor.make_room_for_load(entry.model_id, estimate)
         refusal = result.refusal
@@ -76,7 +93,7 @@ class ControlPlane:
         # went (UnloadModel, the governor, a pending unload), its cache goes too.
         for e in self.pool.entries():
             if e.state == ModelState.UNLOADED:
-                self.bank.drop_model(e.model_id)
+                self.bank.drop_model(e.model_id, reason=REASON_MODEL_UNLOADED)
 
     # -- pins ---------------------------------------------------------------------------
     async def pin_model(self, model_id: str, owner: str, ttl_s: float | None,
@@ -87,11 +104,13 @@ class ControlPlane:
         again = self.leases.retried(client_request_id, model_id=entry.model_id)
         if again is not None:
             return again
+        self._check_lease_quota(owner)
         while entry.state == ModelState.UNLOADING:
             await asyncio.sleep(0.05)  # let the unload finish, then load it again
         if entry.state == ModelState.UNLOADED:
             # Pinning a known, unloaded model loads it again from its source.
-            entry = await self.load_model(entry.source, entry.model_id)
+            entry = await self.load_model(entry.source, entry.model_id,
+                                          KeepAlive(entry.keep_alive_s))  # kept as it was
         again = self.leases.retried(client_request_id, model_id=entry.model_id)
         if again is not None:  # the same retry raced this one through the load
             return again
@@ -105,9 +124,20 @@ class ControlPlane:
         again = self.leases.retried(client_request_id, session_id=session_id)
         if again is not None:
             return again
+        self._check_lease_quota(owner)
         lease = self.leases.pin_session(session_id, owner, ttl_s, client_request_id)
         self._expire_after(ttl_s)
         return lease
+
+    def _check_lease_quota(self, owner: str) -> None:
+        held = self.leases.owner_count(owner)
+        if held >= self.max_leases_per_owner:
+            raise ResourceExhausted(
+                f"owner '{owner}' holds {held} leases; the limit is {self.max_leases_per_owner} "
+                "per owner (--max-leases-per-owner): unpin some, or let their TTLs run out",
+                reason=LEASE_LIMIT, retry_after_s=5.0,
+                metadata={"owner": owner, "held": str(held),
+                          "limit": str(self.max_leases_per_owner)})
 
     def unpin(self, lease_id: str) -> HeldLease:
         held = self.leases.unpin(lease_id)
@@ -135,6 +165,9 @@ class ControlPlane:
     # -- sessions -----------------------------------------------------------------------
     def drop_session(self, session_id: str) -> tuple[int, int]:
         entries, freed = self.bank.drop_session(session_id)
+        if self.cold is not None:  # its disk copies go too
+            disk_entries, disk_bytes = self.cold.drop_session(session_id)
+            entries, freed = entries + disk_entries, freed + disk_bytes
         if not entries:
             raise NotFound(f"session '{session_id}' has no cached entries", "session",
                            resource_name=session_id)

@@ -12,13 +12,16 @@ from engine.errors import (
     Unavailable,
     under_field,
 )
+from engine.loading import check_source
 from memory.plans import admission as adm
 from memory.plans.admission import Verdict
 from plimsoll.v1 import control_pb2, control_pb2_grpc
 from service import convert, status
 from service.assembly import Service
+from service.auth import SourcePolicy
 from service.paging import page
 from service.pressure_broker import PressurePublisher
+from sessions.cold_tier import with_disk_entries
 
 _VERDICTS = {
     Verdict.ADMIT: control_pb2.ADMIT_VERDICT_ADMIT,
@@ -49,8 +52,10 @@ def _seconds(d: duration_pb2.Duration, field: str) -> float | None:
 
 
 class ControlServicer(control_pb2_grpc.ControlServiceServicer):
-    def __init__(self, service: Service, publisher: PressurePublisher) -> None:
+    def __init__(self, service: Service, publisher: PressurePublisher,
+                 sources: SourcePolicy | None = None) -> None:
         self._service = service
+        self._sources = sources or SourcePolicy()  # LoadModel's model roots, --no-hub
         self._control = service.control
         self._publisher = publisher
         publisher.admission_state = lambda: convert.admission_to_wire(service.admission_figures())
@@ -68,7 +73,12 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
 
     async def LoadModel(self, request, context):
         try:
-            entry = await self._control.load_model(request.source, request.model_id)
+            check_source(request.source)  # a path no stat() can take, first
+            self._sources.check(request.source)  # before anything reads the path
+            keep_alive = (convert.keep_alive_from_wire(request.keep_alive)
+                          if request.HasField("keep_alive") else None)
+            entry = await self._control.load_model(request.source, request.model_id,
+                                                   keep_alive)
         except Exception as err:
             await status.abort(context, err)
         return control_pb2.LoadModelResponse(model=convert.model_to_wire(entry))
@@ -187,6 +197,8 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             poll_interval=convert.duration(gov.poll_interval),
             admission=convert.admission_to_wire(svc.admission_figures()),
             blas=_blas_to_wire(blas.state()),
+            session_disk=(convert.session_disk_to_wire(svc.cold.stats())
+                          if svc.cold is not None else None),
         )
 
     # -- sessions ---------------------------------------------------------------------------
@@ -194,14 +206,18 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
         svc = self._service
         pinned = svc.leases.pinned_sessions()
         try:
-            infos, token = page(svc.bank.list_sessions(request.model_id or None),
+            model = request.model_id or None
+            infos, token = page(with_disk_entries(svc.bank.list_sessions(model), svc.cold, model,
+                                                  svc.active_sessions()),
                                 lambda s: s.session_id or "", request.page_size,
                                 request.page_token)
         except Exception as err:
             await status.abort(context, err)
         return control_pb2.ListSessionsResponse(
             sessions=[convert.session_to_wire(s, s.session_id in pinned) for s in infos],
-            total_bytes=svc.bank.total_bytes(), next_page_token=token)
+            total_bytes=svc.bank.total_bytes(), next_page_token=token,
+            session_disk=(convert.session_disk_to_wire(svc.cold.stats())
+                          if svc.cold is not None else None))
 
     async def DropSession(self, request, context):
         try:

@@ -7,7 +7,7 @@ import time
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from engine.pool import ModelEntry, ModelState
+from engine.pool import KeepAlive, ModelEntry, ModelState
 from engine.request import ChatMessage, Chunk, Finished, FinishReason, SamplingParams
 from memory import ceiling
 from memory.ceiling import Limits
@@ -80,7 +80,13 @@ def spec_from_wire(req: inference_pb2.GenerateRequest) -> GenerateSpec:
         session_id=req.session_id,
         admission_ticket=req.admission_ticket,
         max_tokens_per_chunk=req.max_tokens_per_chunk,
+        keep_alive=keep_alive_from_wire(req.keep_alive) if req.HasField("keep_alive") else None,
     )
+
+
+def keep_alive_from_wire(d: duration_pb2.Duration) -> KeepAlive:
+    """Negative keeps the model loaded; zero unloads it once idle."""
+    return KeepAlive.from_seconds(d.ToNanoseconds() / 1e9)
 
 
 def start_to_wire(a: Admitted) -> inference_pb2.GenerateResponse:
@@ -91,6 +97,7 @@ def start_to_wire(a: Admitted) -> inference_pb2.GenerateResponse:
             prompt_tokens=a.prompt_tokens,
             cached_tokens=a.cached_tokens,
             pressure_level=a.pressure_level,
+            cached_disk_tokens=a.cached_disk_tokens,
         )
     )
 
@@ -152,6 +159,10 @@ def model_to_wire(e: ModelEntry) -> control_pb2.ModelInfo:
     )
     if e.last_used_wall:
         info.last_used_time.CopyFrom(timestamp(e.last_used_wall))
+    if e.keep_alive_s is not None:
+        info.keep_alive.CopyFrom(duration(e.keep_alive_s))
+        if e.state == ModelState.READY and not e.pinned and not e.busy and e.last_used_wall:
+            info.expire_time.CopyFrom(timestamp(e.last_used_wall + e.keep_alive_s))
     return info
 
 
@@ -286,6 +297,8 @@ def session_to_wire(info, pinned: bool) -> control_pb2.SessionInfo:
                 model_id=e.model, prefix_tokens=e.prefix_tokens, bytes=e.nbytes,
                 terminal=e.terminal, hits=e.hits,
                 last_access_time=timestamp(_wall(e.last_access)),
+                tier=(control_pb2.SESSION_TIER_DISK if e.tier == "disk"
+                      else control_pb2.SESSION_TIER_RAM),
             )
             for e in info.entries
         ],
@@ -293,6 +306,18 @@ def session_to_wire(info, pinned: bool) -> control_pb2.SessionInfo:
         active=info.active,
         pinned=pinned,
     )
+
+
+def session_disk_to_wire(t) -> control_pb2.SessionDiskTier:
+    """`sessions.cold_tier.ColdTierStats` on the wire."""
+    return control_pb2.SessionDiskTier(
+        directory=t.directory, budget_bytes=t.budget_bytes, bytes=t.bytes, entries=t.entries,
+        pending_writes=t.pending_writes, pending_bytes=t.pending_bytes, writes=t.writes,
+        written_bytes=t.written_bytes, written_last_hour_bytes=t.written_last_hour,
+        write_budget_bytes_per_hour=t.write_budget_per_hour or 0, restores=t.restores,
+        restore_failures=t.restore_failures, hits_ram=t.hits_ram, hits_disk=t.hits_disk,
+        misses=t.misses, drops=t.drops, collected=t.collected,
+        free_disk_bytes=t.free_disk_bytes, kv_bits=t.kv_bits)
 
 
 def admission_to_wire(a) -> types_pb2.AdmissionState:

@@ -157,6 +157,7 @@ class EngineHandleAdapter:
             store_cache_cap=engine.store_gate.cap if engine else 1,
             max_num_seqs=engine.settings.max_num_seqs if engine else 1,
             loaded_age_s=self._loaded_age(),
+            keep_alive_s=e.keep_alive_s,
         )
 
     def _loaded_age(self) -> float | None:

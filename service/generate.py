@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry import trace
 
+from engine import kv_snapshot
 from engine.errors import (
     MODEL_UNLOADING,
     FailedPrecondition,
@@ -26,7 +27,7 @@ from engine.errors import (
     Unavailable,
     Violations,
 )
-from engine.pool import ModelEntry, ModelPool
+from engine.pool import KeepAlive, ModelEntry, ModelPool
 from engine.request import (
     DEFAULT_MAX_TOKENS,
     ChatMessage,
@@ -57,6 +58,8 @@ from service.metrics import RequestMetrics
 from sessions.activity import ActiveSessions
 from sessions.admission import AdmissionQueue, AdmissionSlot, QueueOutcome
 from sessions.bank import SessionBank, SessionEntry
+from sessions.cold_tier import ColdTier
+from sessions.disk_format import load_snapshot
 from sessions.reservations import Grant, Reservation, ReservationBook, request_digest
 from telemetry import names, tracer
 
@@ -78,6 +81,9 @@ class GenerateSpec:
     session_id: str = ""
     admission_ticket: str = ""
     max_tokens_per_chunk: int = 0
+    # Replaces the model's keep-alive; None keeps it (renewed by this request).
+    keep_alive: KeepAlive | None = None
+    stop_token_ids: tuple[int, ...] = ()  # SMG's MLX protocol (service/smg_worker.py)
 
 
 @dataclass
@@ -87,8 +93,9 @@ class Admitted:
     request_id: str
     model_id: str
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int  # restored, from RAM or from disk
     pressure_level: PressureLevel
+    cached_disk_tokens: int = 0  # of cached_tokens, those restored from the disk tier
 
 
 @dataclass
@@ -116,6 +123,8 @@ class PipelineSettings:
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     admission_timeout_s: float = 30.0
     session_bank: bool = True
+    # 8 or 4: bank snapshots (RAM and disk) kept as mlx-lm's quantized KV cache; 0: not.
+    session_kv_bits: int = 0
 
 
 class GeneratePipeline:
@@ -133,6 +142,7 @@ class GeneratePipeline:
         self.lifecycle = lifecycle
         self.metrics = metrics
         self.in_flight = 0
+        self.cold: ColdTier | None = None  # the session cold tier, when on (assembly)
         self._ids = itertools.count(1)
         self._prefix = os.urandom(3).hex()
 
@@ -174,6 +184,7 @@ class GeneratePipeline:
             ignore_eos=spec.ignore_eos,
             session_id=spec.session_id,
             max_tokens_per_chunk=spec.max_tokens_per_chunk,
+            stop_token_ids=spec.stop_token_ids,
         )
         return entry, request
 
@@ -279,6 +290,8 @@ class GeneratePipeline:
         })
         self.in_flight += 1
         self.pool.acquire(entry)
+        if spec.keep_alive is not None:
+            entry.keep_alive_s = spec.keep_alive.seconds  # counted from this request's end
         session = request.session_id or None
         self.active.begin(session)
         slot: AdmissionSlot | None = None
@@ -286,11 +299,12 @@ class GeneratePipeline:
             with trace.use_span(span):  # admission's spans are its children
                 slot = await self._wait_for_slot()
                 await self._admit(entry, request)
-                cache, cached = self._restore(entry, request)
+                cache, cached, cached_disk = await self._restore(entry, request)
             span.set_attribute(names.ATTR_CACHED_TOKENS, cached)
             # Not current across the yields: a stream resumes (or is closed by a
             # cancelled client) in whatever context its consumer runs.
-            async for event in self._stream(entry, request, cache, cached, span):
+            async for event in self._stream(entry, request, cache, cached, span,
+                                            cached_disk):
                 yield event
         except Exception as exc:
             span.record_exception(exc)
@@ -341,16 +355,46 @@ class GeneratePipeline:
                       "tried": ",".join(result.tried), **numbers},
         )
 
-    def _restore(self, entry: ModelEntry, request: GenerationRequest) -> tuple[list | None, int]:
+    async def _restore(self, entry: ModelEntry, request: GenerationRequest
+                       ) -> tuple[list | None, int, int]:
+        """(cache, cached tokens, of them from disk): RAM's longest prefix, or disk's when
+        longer. A disk restore that fails for any reason falls back to RAM's source or a
+        cold prefill: the same tokens come out, only slower."""
         if not (self.settings.session_bank and request.session_id):
-            return None, 0
+            return None, 0, 0
         restored = self.bank.longest_prefix(entry.model_id, request.prompt_tokens)
-        if restored is None:
-            return None, 0
-        return restored.payload, restored.prefix_len
+        ram = (restored.payload, restored.prefix_len, 0) if restored is not None else (None, 0, 0)
+        cold = self.cold
+        if cold is None:
+            return ram
+        rec = cold.lookup(entry.model_id, request.prompt_tokens)
+        if rec is None or len(rec.tokens) <= ram[1] or entry.engine is None:
+            cold.note_hit("ram" if restored is not None else None)
+            return ram
+        started = time.monotonic()
+        if not cold.claim(rec):
+            cold.note_hit("ram" if restored is not None else None)
+            return ram
+        try:
+            # The file is read and checked on a worker; the engine thread makes the arrays.
+            data = await asyncio.to_thread(cold.read, rec)
+            cache = await asyncio.wrap_future(
+                entry.engine.call(lambda: load_snapshot(data, rec.compat)))
+        except Exception as exc:  # noqa: BLE001 - any failure: restore from RAM or cold
+            cold.release(rec)
+            cold.note_restore(rec, False, model_id=entry.model_id,
+                              seconds=time.monotonic() - started,
+                              error=f"{type(exc).__name__}: {exc}")
+            cold.note_hit("ram" if restored is not None else None)
+            return ram
+        cold.release(rec)
+        cold.note_restore(rec, True, model_id=entry.model_id, seconds=time.monotonic() - started)
+        cold.note_hit("disk")
+        return cache, len(rec.tokens), len(rec.tokens)
 
     async def _stream(self, entry: ModelEntry, request: GenerationRequest,
-                      cache: list | None, cached: int, span) -> AsyncIterator[Admitted | Event]:
+                      cache: list | None, cached: int, span,
+                      cached_disk: int = 0) -> AsyncIterator[Admitted | Event]:
         # Waiting for a slot or for admission took time: the model may have been marked
         # for a pending unload (refuse new work) or unloaded meanwhile.
         self.pool.ready(entry.model_id)
@@ -363,7 +407,7 @@ class GeneratePipeline:
         try:
             engine.submit(request, sink, cache, cached)
             yield Admitted(request.request_id, entry.model_id, len(request.prompt_tokens),
-                           cached, self.governor.level)
+                           cached, self.governor.level, cached_disk)
             pending: Event | None = None
             while True:
                 event = pending or sink.get_nowait() or await sink.get()
@@ -403,6 +447,9 @@ class GeneratePipeline:
         """On the engine thread, when a session's turn ends: keep its terminal snapshot."""
         if not (self.settings.session_bank and request.session_id and tokens):
             return
+        # Its own buffers, evaluated now on the engine thread (a writer thread may save
+        # it later), quantized (mlx-lm's QuantizedKVCache) when asked.
+        cache = kv_snapshot.materialize(cache, self.settings.session_kv_bits)
         nbytes = sum(c.nbytes for c in cache)
         self.bank.put(SessionEntry(model=request.model_id, tokens=tuple(tokens),
                                    session_id=request.session_id, payload=cache,

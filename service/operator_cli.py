@@ -30,6 +30,7 @@ from service.cli_common import (
     address,
     fmt_bytes,
     label,
+    open_channel,
     print_json,
     report_error,
     timestamp_text,
@@ -144,7 +145,7 @@ def console() -> Console:
 
 
 def _control(args: argparse.Namespace) -> tuple[grpc.Channel, control_pb2_grpc.ControlServiceStub]:
-    channel = grpc.insecure_channel(address(args))
+    channel = open_channel(args)  # TLS and the token when given
     return channel, control_pb2_grpc.ControlServiceStub(channel)
 
 
@@ -194,7 +195,7 @@ def _kv(rows: list[tuple[str, RenderableType | str]]) -> Table:
 def models_table(models: list[control_pb2.ModelInfo]) -> Table:
     t = Table(title="models", title_justify="left", show_edge=False, pad_edge=False)
     for col in ("model", "state", "size", "pinned", "active", "waiting", "context",
-                "batch cap", "store cap", "pending unload"):
+                "batch cap", "store cap", "pending unload", "expires"):
         t.add_column(col, justify="right" if col in ("size", "active", "waiting", "context",
                                                      "batch cap", "store cap") else "left")
     for m in models:
@@ -202,8 +203,15 @@ def models_table(models: list[control_pb2.ModelInfo]) -> Table:
         t.add_row(name, label(control_pb2.ModelState, m.state), fmt_bytes(m.measured_bytes),
                   "pinned" if m.pinned else "-", str(m.active_requests),
                   str(m.waiting_requests), str(m.context_length), str(m.batch_cap),
-                  str(m.store_cache_cap), m.pending_unload or "-")
+                  str(m.store_cache_cap), m.pending_unload or "-", _model_expiry(m))
     return t
+
+
+def _model_expiry(m: control_pb2.ModelInfo) -> str:
+    """When its keep-alive unloads it; 'kept' without one, 'held' while it cannot expire."""
+    if m.HasField("expire_time"):
+        return timestamp_text(m.expire_time)
+    return "held" if m.HasField("keep_alive") else "kept"
 
 
 def _lease_target(lease: control_pb2.Lease) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf import timestamp_pb2
 
+from engine.errors import WATCHER_LIMIT, ResourceExhausted
 from memory.actions import Action, Outcome, Transition, model_of, reason_of
 from memory.ceiling import Limits
 from memory.governor import TickSample
@@ -29,6 +30,8 @@ from plimsoll.v1 import control_pb2, types_pb2
 from service import convert
 
 DEFAULT_CAPACITY = 1024
+# WatchPressure streams open at once (--max-watchers): each holds a queue and a task.
+DEFAULT_MAX_SUBSCRIBERS = 256
 RETAINED_EVENTS = 512  # transitions and actions kept for a re-subscriber's replay
 
 
@@ -41,6 +44,7 @@ class Subscriber:
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
     overflowed: bool = False
     closed: bool = False
+    internal: bool = False  # the server's own: not counted against max_subscribers
 
     def wants(self, kind: str) -> bool:
         return ((kind != "sample" or self.include_samples)
@@ -92,8 +96,10 @@ def now_timestamp() -> timestamp_pb2.Timestamp:
 
 class PressureBroker:
     def __init__(self, capacity: int = DEFAULT_CAPACITY,
-                 retained: int = RETAINED_EVENTS) -> None:
+                 retained: int = RETAINED_EVENTS,
+                 max_subscribers: int = DEFAULT_MAX_SUBSCRIBERS) -> None:
         self.capacity = capacity
+        self.max_subscribers = max_subscribers
         self._subscribers: set[Subscriber] = set()
         self._sequence = 0
         self._retained: deque[control_pb2.WatchPressureResponse] = deque(maxlen=retained)
@@ -109,8 +115,17 @@ class PressureBroker:
         return self._sequence
 
     def subscribe(self, snapshot: control_pb2.PressureSnapshot, include_samples: bool,
-                  include_actions: bool, resume_after: int = 0) -> Subscriber:
+                  include_actions: bool, resume_after: int = 0, *,
+                  internal: bool = False) -> Subscriber:
+        """`internal`: the server's own (readiness): not a client, not counted."""
+        clients = sum(1 for s in self._subscribers if not s.internal)
+        if not internal and clients >= self.max_subscribers:
+            raise ResourceExhausted(
+                f"{clients} WatchPressure streams are open, the limit "
+                "(--max-watchers); retry, or share one stream", reason=WATCHER_LIMIT,
+                retry_after_s=5.0, metadata={"limit": str(self.max_subscribers)})
         sub = Subscriber(include_samples, include_actions, self.capacity)
+        sub.internal = internal
         if resume_after:
             for msg in self._retained:
                 if msg.sequence > resume_after and sub.wants(msg.WhichOneof("event")):
@@ -184,11 +199,12 @@ class PressurePublisher:
         )
 
     def subscribe(self, include_samples: bool, include_actions: bool,
-                  resume_after: int = 0) -> Subscriber | None:
+                  resume_after: int = 0, *, internal: bool = False) -> Subscriber | None:
         snapshot = self.snapshot()
         if snapshot is None:
             return None
-        return self.broker.subscribe(snapshot, include_samples, include_actions, resume_after)
+        return self.broker.subscribe(snapshot, include_samples, include_actions, resume_after,
+                                     internal=internal)
 
     def on_transition(self, transition: Transition, readings: MemoryReadings,
                       limits: Limits) -> None:

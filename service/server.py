@@ -28,10 +28,15 @@ from memory.config import MemoryConfig
 from memory.protocols import ReadingsSource
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from service.assembly import Service, ServiceSettings
+from service.auth import Access, AccessConfig, demo_dir
 from service.control_servicer import ControlServicer
-from service.inference_servicer import InferenceServicer
+from service.decode_guard import DecodeGuard
+from service.inference_servicer import DEFAULT_STALL_TIMEOUT_S, InferenceServicer
 from service.lifecycle import settle_heap
-from service.pressure_broker import PressureBroker, PressurePublisher
+from service.pressure_broker import DEFAULT_MAX_SUBSCRIBERS, PressureBroker, PressurePublisher
+from service.readiness import DEFAULT_HOLD_S, ReadinessWatch
+from service.smg_worker import SERVICE_NAME as SMG_MLX_ENGINE
+from service.smg_worker import add_to_server as add_smg_worker
 from telemetry.prometheus import MetricsServer, start_metrics_server
 from telemetry.setup import TelemetrySettings, setup
 
@@ -68,6 +73,9 @@ class ServerConfig:
     demo_size: str = "tiny"
     cache_dir: Path | None = None
     max_message_bytes: int = 64 * MiB
+    # A Generate whose client reads nothing this long ends ABORTED / CLIENT_STALLED.
+    stream_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+    max_watchers: int = DEFAULT_MAX_SUBSCRIBERS  # WatchPressure streams open at once
     drain_grace_s: float = 30.0
     engine: EngineSettings = field(default_factory=EngineSettings)
     service: ServiceSettings = field(default_factory=ServiceSettings)
@@ -77,6 +85,10 @@ class ServerConfig:
     metrics_port: int | None = None  # Prometheus /metrics over HTTP; None: off, 0: any port
     http_host: str = "127.0.0.1"
     http_port: int | None = None  # the web dashboard (service.web_dashboard); None: off, 0: any
+    access: AccessConfig = field(default_factory=AccessConfig)  # TLS, tokens, model roots
+    agent_host: str = "127.0.0.1"
+    agent_port: int | None = None  # HAProxy agent check (service.agent_check); None: off
+    unready_hold_s: float = DEFAULT_HOLD_S  # below hard this long before SERVING again
 
 
 class _MethodAwarePool:
@@ -224,16 +236,20 @@ class PlimsollServer:
         self.health = Health()
         self._server: grpc.aio.Server | None = None
         self.service: Service | None = None
-        self.broker = PressureBroker()
+        self.broker = PressureBroker(max_subscribers=config.max_watchers)
         self.publisher = PressurePublisher(self.broker)
         self._enforcer_task: asyncio.Task | None = None
         self.metrics_server: MetricsServer | None = None
         self.web: WebDashboard | None = None  # with http_port
         self._stopped = asyncio.Event()
         self._cut_now = asyncio.Event()
+        self.access: Access | None = None  # from start(); SIGHUP reloads it
         # Inference is not ready while the models named at start load, even once the
         # first has: a client told SERVING may name any of them.
         self._loading_initial_models = False
+        self.readiness: ReadinessWatch | None = None  # health and agent check, from start()
+        self.agent_server: asyncio.Server | None = None
+        self.agent_port = 0
 
     async def start(self) -> int:
         setup(self.config.telemetry)
@@ -243,33 +259,42 @@ class PlimsollServer:
         self.service = svc = Service(pool, self.config.service, self.config.memory,
                                      sink=self.publisher, reader=self._reader)
         pool.listeners.append(self._on_pool_change)
+        self.access = access = Access(self.config.access, demo_dir(self.config.cache_dir))
         server = grpc.aio.server(
             # Health and reflection stay untraced: they are noise, and their aio
             # servicers write to the context, which the tracing interceptor cannot wrap.
-            interceptors=[aio_server_interceptor(filter_=filters.negate(filters.any_of(
+            interceptors=[
+                *access.interceptors(),  # first: a refused call reaches nothing else
+                aio_server_interceptor(filter_=filters.negate(filters.any_of(
                 filters.service_prefix("grpc.health"),
                 filters.service_prefix("grpc.reflection"),
-            )))],
+            ))), DecodeGuard()],  # last: it wraps the servicers' own handlers
             options=grpc_options(2 * self.config.max_message_bytes),
         )
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(
-            InferenceServicer(svc.pipeline, self.config.max_message_bytes), server
+            InferenceServicer(svc.pipeline, self.config.max_message_bytes,
+                              self.config.stream_stall_timeout_s), server
         )
-        control = ControlServicer(svc, self.publisher)
+        control = ControlServicer(svc, self.publisher, sources=access.sources)
         control_pb2_grpc.add_ControlServiceServicer_to_server(control, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        add_reflection(server, (INFERENCE, CONTROL, HEALTH))
+        # SMG's MLX worker protocol on the same port; its HealthCheck follows the same
+        # readiness decision as grpc.health and the agent check.
+        add_smg_worker(svc, server, serving=lambda: (
+            self.readiness.refresh().serving if self.readiness is not None else None))
+        add_reflection(server, (INFERENCE, CONTROL, HEALTH, SMG_MLX_ENGINE))
         # Inference waits for its default model; control answers from the start.
         for name in ("", INFERENCE):
             await self.health.set(name, NOT_SERVING)
         await self.health.set(CONTROL, SERVING)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        self.port = access.add_port(server, f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {self.config.host}:{self.config.port}")
         if self.config.metrics_port is not None:  # its own threads, off this loop
             self.metrics_server = start_metrics_server(self.config.metrics_host,
                                                        self.config.metrics_port)
         await svc.governor.tick()  # a first snapshot before anyone subscribes
+        await self._start_readiness()
         if self.config.http_port is not None:
             await self._start_web(control)
         await server.start()
@@ -288,6 +313,24 @@ class PlimsollServer:
                                    lambda: self.service.draining)
         self.web = await start_web_dashboard(sources, self.config.http_host,
                                              self.config.http_port)
+
+    async def _start_readiness(self) -> None:
+        """Inference health from readiness and pressure (service.readiness), and the
+        HAProxy agent check answering from the same decision."""
+        svc = self.service
+        self.readiness = ReadinessWatch(
+            self.publisher, models_ready=self._models_ready,
+            draining=lambda: svc.draining, apply=self._set_inference_health,
+            hold_s=self.config.unready_hold_s)
+        self.readiness.start()
+        if self.config.agent_port is not None:
+            # Imported here: without --agent-port no listener is made.
+            from service.agent_check import bound_port, start_agent_check
+
+            self.agent_server = await start_agent_check(
+                self.config.agent_host, self.config.agent_port, self.readiness.agent_line)
+            self.agent_port = bound_port(self.agent_server)
+            log.info("agent check on %s:%d", self.config.agent_host, self.agent_port)
 
     async def load_initial_models(self) -> None:
         self._loading_initial_models = True
@@ -310,12 +353,19 @@ class PlimsollServer:
     def _on_pool_change(self) -> None:
         if self.service is None or self.service.draining:
             return
+        if self.readiness is not None:
+            self.readiness.refresh()
+
+    def _models_ready(self) -> bool:
         # Inference serves once the models named at start have loaded and while its
         # default model is ready: a request naming no model would be refused otherwise.
-        ready = not self._loading_initial_models and _default_ready(self.service.pool)
-        state = SERVING if ready else NOT_SERVING
+        return (self.service is not None and not self._loading_initial_models
+                and _default_ready(self.service.pool))
+
+    async def _set_inference_health(self, serving: bool) -> None:
+        # After a drain began, health.set is a no-op: the drain's NOT_SERVING stands.
         for name in ("", INFERENCE):
-            asyncio.ensure_future(self.health.set(name, state))
+            await self.health.set(name, SERVING if serving else NOT_SERVING)
 
     async def drain(self) -> None:
         """Health goes NOT_SERVING with the listener still open; new Generates are
@@ -344,8 +394,14 @@ class PlimsollServer:
             self._enforcer_task.cancel()
             await asyncio.gather(self._enforcer_task, return_exceptions=True)
         await svc.pool.close()
+        await asyncio.to_thread(svc.close_cold_tier)  # the bank's sessions to disk
         if self.web is not None:  # its event streams ended with the broker's, above
             await self.web.stop()
+        if self.readiness is not None:
+            await self.readiness.stop()
+        if self.agent_server is not None:  # it said "down #draining" until now
+            self.agent_server.close()
+            await self.agent_server.wait_closed()
         if self.metrics_server is not None:  # scrapes see the drain until the end
             await asyncio.to_thread(self.metrics_server.stop)
         log.info("drained in %.1fs", asyncio.get_running_loop().time() - began)
@@ -402,6 +458,10 @@ async def serve(config: ServerConfig, ready: asyncio.Event | None = None) -> Non
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: draining.append(asyncio.ensure_future(
             server.drain())))
+    # SIGHUP re-reads the TLS files and the tokens (service/auth.py); set before start,
+    # so an early SIGHUP does not end the process (its default action).
+    loop.add_signal_handler(signal.SIGHUP, lambda: server.access is not None
+                            and server.access.reload())
     await server.start()
     try:
         await server.load_initial_models()

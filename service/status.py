@@ -32,6 +32,8 @@ _CODES: list[tuple[type[errors.PlimsollError], int]] = [
     (errors.ResourceExhausted, code_pb2.RESOURCE_EXHAUSTED),
     (errors.Aborted, code_pb2.ABORTED),
     (errors.Internal, code_pb2.INTERNAL),
+    (errors.Unauthenticated, code_pb2.UNAUTHENTICATED),
+    (errors.PermissionDenied, code_pb2.PERMISSION_DENIED),
 ]
 
 # What a client reads for an exception that is not ours: nothing of its text.

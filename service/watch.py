@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
@@ -48,6 +49,7 @@ from service.cli_common import (
     fmt_bytes,
     label,
     local_clock,
+    open_channel,
 )
 
 HISTORY = 240  # usage readings kept for the sparkline
@@ -449,8 +451,10 @@ class _Feeds:
     `events` with ("message", msg, t), ("down", reason, t) and ("status", resp, t)."""
 
     def __init__(self, target: str, samples: bool, models_every: float,
-                 timeout: float) -> None:
+                 timeout: float, channel: Callable[[], grpc.Channel] | None = None) -> None:
         self.target, self.samples = target, samples
+        # `channel`: TLS and the token of the verb's flags (cli_common.open_channel).
+        self._channel = channel or (lambda: grpc.insecure_channel(target))
         self.models_every, self.timeout = models_every, timeout
         self.events: queue.Queue[tuple[str, Any, float]] = queue.Queue()
         self.stop = threading.Event()
@@ -473,7 +477,7 @@ class _Feeds:
     def _read(self) -> None:
         last, attempt = 0, 0
         while not self.stop.is_set():
-            with grpc.insecure_channel(self.target) as channel:
+            with self._channel() as channel:
                 stub = control_pb2_grpc.ControlServiceStub(channel)
                 req = control_pb2.WatchPressureRequest(
                     include_samples=self.samples, include_actions=True,
@@ -500,7 +504,7 @@ class _Feeds:
 
     def _poll(self) -> None:
         while not self.stop.is_set():
-            with contextlib.suppress(grpc.RpcError), grpc.insecure_channel(self.target) as ch:
+            with contextlib.suppress(grpc.RpcError), self._channel() as ch:
                 resp = control_pb2_grpc.ControlServiceStub(ch).GetMemoryStatus(
                     control_pb2.GetMemoryStatusRequest(), timeout=self.timeout)
                 self.events.put(("status", resp, time.time()))
@@ -517,7 +521,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     mode = "json" if args.json else ("screen" if console.is_terminal else "plain")
     record: IO[str] | None = open(args.record, "w", encoding="utf-8") if args.record else None  # noqa: SIM115
-    feeds = _Feeds(state.target, not args.no_samples, args.models_every, args.timeout).start()
+    feeds = _Feeds(state.target, not args.no_samples, args.models_every, args.timeout,
+                   lambda: open_channel(args)).start()
     deadline = time.monotonic() + args.duration if args.duration is not None else None
 
     def handle(event: tuple[str, Any, float]) -> None:

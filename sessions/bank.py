@@ -91,6 +91,7 @@ REASON_CAP_SESSION_BYTES = "cap_session_bytes"
 REASON_CAP_ENTRIES = "cap_entries"
 REASON_DROPPED = "dropped"
 REASON_REMOVED = "removed"
+REASON_MODEL_UNLOADED = "model_unloaded"  # its model went: the cold tier may keep a copy
 
 # Why `put` refused an entry.
 REFUSED_EXCEEDS_MAX_BYTES = "exceeds_max_bytes"
@@ -185,6 +186,7 @@ class EntryInfo:
     created_at: float
     last_access: float
     live_ref: bool
+    tier: str = "ram"  # "disk": a cold-tier file (sessions/cold_tier.py)
 
 
 @dataclass(frozen=True)
@@ -282,6 +284,9 @@ class SessionBank:
         self._misses = 0
         self._evictions: Counter[str] = Counter()
         self._last_now = float("-inf")
+        # The cold tier's lookup (sessions/cold_tier.py): (prefix tokens, bytes a restore
+        # allocates) of a prompt's disk source, for admission's projection.
+        self.cold_lookup: Callable[[str, Sequence[int]], tuple[int, int]] | None = None
         self._metrics = inst or instruments()
         self._metrics.bank_bytes.register(self, lambda b: b.total_bytes())
         self._metrics.bank_entries.register(self, lambda b: b.entry_count())
@@ -505,11 +510,11 @@ class SessionBank:
         self._dispatch([(e, REASON_DROPPED) for e in victims])
         return len(victims), sum(e.nbytes for e in victims)
 
-    def drop_model(self, model: str) -> tuple[int, int]:
+    def drop_model(self, model: str, reason: str = REASON_DROPPED) -> tuple[int, int]:
         """Drop every entry of a model (it is being unloaded) -> (entries, bytes)."""
         with self._lock:
             victims = self._evict_all([e for e in self._entries.values() if e.model == model])
-        self._dispatch([(e, REASON_DROPPED) for e in victims])
+        self._dispatch([(e, reason) for e in victims])
         return len(victims), sum(e.nbytes for e in victims)
 
     def expire_idle(self, now: float | None = None) -> int:
@@ -557,11 +562,18 @@ class SessionBank:
         chain = self.plan_shrink_for_admission(0, protect_tokens=prompt_tokens, model=model,
                                                protect_session_ids=sids,
                                                assume_evicted=lru.victims)
+        ram_tokens = src.prefix_len if src is not None else 0
+        disk_tokens = disk_bytes = 0
+        if self.cold_lookup is not None:
+            disk_tokens, disk_bytes = self.cold_lookup(model, prompt_tokens)
+            if disk_tokens <= ram_tokens:
+                disk_tokens = disk_bytes = 0  # RAM's source wins a tie: it costs nothing
         return BankFigures(
             total_bytes=lru.bytes_before, max_bytes=self.max_bytes,
             lru_freeable_bytes=lru.freed_bytes, lru_freeable_entries=lru.entries,
             chain_freeable_bytes=chain.freed_bytes, chain_freeable_entries=chain.entries,
-            restore_prefix_tokens=src.prefix_len if src is not None else 0,
+            restore_prefix_tokens=max(ram_tokens, disk_tokens),
+            restore_disk_tokens=disk_tokens, restore_disk_bytes=disk_bytes,
         )
 
     def preview_freed(

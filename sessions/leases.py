@@ -79,6 +79,9 @@ class Leases:
     def leases(self) -> list[HeldLease]:
         return [_held(h) for h in self._map.live()]
 
+    def owner_count(self, owner: str) -> int:
+        return sum(1 for h in self._map.live() if h.value.owner == owner)
+
     def model_count(self, model_id: str) -> int:
         return sum(1 for h in self._map.live() if h.value.model_id == model_id)
 

@@ -133,6 +133,22 @@ class Instruments:
                                    "Requests decoding in a batch")
         self.waiting = self._gauge(names.METRIC_REQUESTS_WAITING, "1",
                                    "Requests waiting for admission or a slot")
+        self.cold_bytes = self._gauge(names.METRIC_COLD_BYTES, "By",
+                                      "Bytes of session snapshots in the disk tier")
+        self.cold_entries = self._gauge(names.METRIC_COLD_ENTRIES, "1",
+                                        "Session snapshots in the disk tier")
+        self.cold_writes = self._counter(names.METRIC_COLD_WRITES,
+                                         "Session snapshots written to the disk tier")
+        self.cold_written_bytes = self._counter(names.METRIC_COLD_WRITTEN_BYTES,
+                                                "Bytes written to the disk tier", unit="By")
+        self.cold_restores = self._counter(names.METRIC_COLD_RESTORES,
+                                           "Restores from the disk tier, by outcome")
+        self.cold_drops = self._counter(names.METRIC_COLD_DROPS,
+                                        "Shed snapshots not written to disk, by reason")
+        self.cold_collected = self._counter(names.METRIC_COLD_COLLECTED,
+                                            "Disk tier files deleted, by reason")
+        self.session_hits = self._counter(names.METRIC_SESSION_HITS,
+                                          "Session lookups by the tier that answered")
         description = "Measured bytes of each loaded model"
         self.model_bytes = _LabelledGauge(m, names.METRIC_MODEL_BYTES, names.LABEL_MODEL_ID,
                                           "By", description)

@@ -20,6 +20,9 @@ SPAN_LOAD_REFUSAL = "plimsoll.model.load_refusal"
 SPAN_BANK_EXPIRE = "plimsoll.sessions.expire_idle"
 SPAN_BANK_EVICT = "plimsoll.sessions.evict"  # evictions the bank makes on its own (caps, drops)
 SPAN_PREFILL_ABORT = "plimsoll.memory.prefill_abort"
+SPAN_COLD_SPILL = "plimsoll.sessions.cold.spill"  # a shed entry written to disk, or dropped
+SPAN_COLD_RESTORE = "plimsoll.sessions.cold.restore"  # a prompt restored from disk (or not)
+SPAN_COLD_COLLECT = "plimsoll.sessions.cold.collect"  # files deleted: start-up, incompatible
 
 # -- span attributes -------------------------------------------------------
 ATTR_LEVEL = "plimsoll.level"
@@ -59,6 +62,13 @@ ATTR_TRIED = "plimsoll.tried"
 ATTR_CAP = "plimsoll.cap"
 ATTR_REMAINING_TOKENS = "plimsoll.remaining_tokens"
 ATTR_CHUNK_TOKENS = "plimsoll.chunk_tokens"
+ATTR_COLD_OUTCOME = "plimsoll.cold.outcome"  # written | dropped | restored | failed
+ATTR_COLD_DROP_REASON = "plimsoll.cold.drop_reason"  # memory.plans.spill DROP_*
+ATTR_COLD_BYTES = "plimsoll.cold.snapshot_bytes"  # the snapshot in RAM
+ATTR_COLD_FILE_BYTES = "plimsoll.cold.file_bytes"
+ATTR_COLD_ENTRIES = "plimsoll.cold.entries"
+ATTR_COLD_SECONDS = "plimsoll.cold.seconds"
+ATTR_COLD_TIER = "tier"  # plimsoll_session_hits_total: ram | disk | miss
 
 # -- metrics (prefix plimsoll_) ---------------------------------------------
 METRIC_MEMORY_USAGE = "plimsoll_memory_usage_bytes"
@@ -84,6 +94,14 @@ METRIC_SOFT_MARK = "plimsoll_memory_soft_mark_bytes"
 METRIC_HARD_MARK = "plimsoll_memory_hard_mark_bytes"
 METRIC_RESERVED_BYTES = "plimsoll_reserved_bytes"
 METRIC_MODEL_BYTES = "plimsoll_model_loaded_bytes"
+METRIC_COLD_BYTES = "plimsoll_session_disk_bytes"
+METRIC_COLD_ENTRIES = "plimsoll_session_disk_entries"
+METRIC_COLD_WRITES = "plimsoll_session_disk_writes_total"
+METRIC_COLD_WRITTEN_BYTES = "plimsoll_session_disk_written_bytes_total"
+METRIC_COLD_RESTORES = "plimsoll_session_disk_restores_total"
+METRIC_COLD_DROPS = "plimsoll_session_disk_drops_total"
+METRIC_COLD_COLLECTED = "plimsoll_session_disk_collected_total"
+METRIC_SESSION_HITS = "plimsoll_session_hits_total"  # by tier: ram | disk | miss
 
 # -- metric labels that are not span attributes --------------------------------
 LABEL_MODEL_ID = "model_id"  # plimsoll_model_loaded_bytes, one series per loaded model

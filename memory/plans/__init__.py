@@ -6,5 +6,6 @@
 - `os_guard`: the OS pressure guard's hysteresis.
 - `bank_ceiling`: the session bank's dynamic ceiling.
 - `eviction`: the one order in which idle models are evicted.
+- `model_limits`: model keep-alive, and the loaded-model count and byte limits.
 - `steps`: what a plan yields to the governor and gets back.
 """

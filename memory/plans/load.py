@@ -9,6 +9,9 @@ would cross soft, idle non-pinned models are evicted in the eviction ladder's
 order (models in their warm-up spared) until it would not. A load that could
 not fit under soft even after every eviction it may make evicts nothing and is
 refused with the numbers. After the evictions, a fresh measurement decides.
+
+Before all that, the loaded-model limits (`--max-loaded-models`,
+`--max-model-memory-gb`: memory.plans.model_limits) make room the same way, or refuse.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from memory.ceiling import Limits, compute_limits
 from memory.config import MemoryConfig
 from memory.levels import MIB
 from memory.plans.eviction import freeable_bytes, idle_victims, warming
+from memory.plans.model_limits import ERROR_MAX_LOADED_MODELS, plan_room
 from memory.plans.steps import Execute, Measure, Snapshot, Step
 from memory.views import EngineView
 
@@ -132,9 +136,42 @@ def plan_evictions(usage: int, estimate: int, limits: Limits,
     return chosen
 
 
-def load_plan(model_id: str, estimate: int, config: MemoryConfig
+def load_plan(model_id: str, estimate: int | None, config: MemoryConfig
               ) -> Generator[Step, Any, LoadResult]:
+    """The loaded-model limits first (memory.plans.model_limits: they need no
+    estimate), then, with an estimate and the enforcer on, the soft mark."""
     snap: Snapshot = yield Measure(MEASURE_LOAD)
+    room = plan_room(snap.engines, model_id, estimate, config.model_limits,
+                     config.load_warmup_s)
+    if room.refusal is not None:
+        yield Execute((room.refusal,))
+        return LoadResult(refusal=room.refusal)
+    evicted: tuple[str, ...] = ()
+    if room.evictions:
+        outcomes: list[Outcome] = yield Execute(room.evictions)
+        evicted = tuple(o.action.model_id for o in outcomes
+                        if isinstance(o.action, EvictModel) and o.done)
+        if len(evicted) < len(room.evictions):  # busy or pinned since the snapshot
+            refusal = _limit_declined(model_id)
+            yield Execute((refusal,))
+            return LoadResult(evicted, refusal)
+        snap = yield Measure(MEASURE_AFTER_EVICTION)
+    if estimate is None or not config.enabled:
+        return LoadResult(evicted)  # a repository not downloaded yet: the tick follows
+    result = yield from _fit_under_soft(model_id, estimate, config, snap)
+    return LoadResult(evicted + result.evicted, result.refusal)
+
+
+def _limit_declined(model_id: str) -> RefuseLoad:
+    return RefuseLoad(
+        binding="max_loaded_models", error_reason=ERROR_MAX_LOADED_MODELS,
+        message=(f"model '{model_id}': a model chosen to make room under the loaded-model "
+                 "limits was used or pinned meanwhile; retry"),
+        retry_after_s=1.0)
+
+
+def _fit_under_soft(model_id: str, estimate: int, config: MemoryConfig, snap: Snapshot
+                    ) -> Generator[Step, Any, LoadResult]:
     limits = compute_limits(snap.readings, config)
     usage = _usage(snap)
     if fits(usage, estimate, limits):

@@ -35,8 +35,9 @@ The ladder, in order:
    engine (emergency only) or ask every engine for an idle reclaim.
 5. Every tick, deferred and ok ones too: one store-cache cap step per engine
    (and one step of its decode batch cap), and this tick's limits to every engine.
-6. Every tick, the bank's upkeep (`upkeep` below): idle TTL, the OS
-   pressure guard, the bank's dynamic ceiling.
+6. Every tick, the upkeep (`upkeep` below): model keep-alive and the
+   loaded-model limits (memory.plans.model_limits), then the bank's idle TTL,
+   the OS pressure guard, the bank's dynamic ceiling.
 7. Transitions are actions, executed (published) where they are committed.
 """
 
@@ -87,6 +88,7 @@ from memory.config import AbortOrder, MemoryConfig
 from memory.levels import PressureLevel
 from memory.plans.bank_ceiling import bank_dynamic_ceiling, plan_hold_to_ceiling, working_set_bytes
 from memory.plans.eviction import idle_victims
+from memory.plans.model_limits import plan_model_limits
 from memory.plans.os_guard import GuardState, OsPressure, guard_step
 from memory.plans.steps import Execute, Measure, Snapshot, Step
 from memory.readings import MemoryReadings
@@ -681,6 +683,15 @@ def upkeep(tick: _Tick) -> Generator[Step, Any, None]:
     enforce = tick.config.enabled  # disabled: measured and reported, never enforced
     if enforce:
         yield from _execute(tick, [plan_propagate(tick.snap.readings, tick.limits)])
+    # Keep-alive and the loaded-model limits are the operator's, not pressure's:
+    # they hold with the enforcer disabled too.
+    lifecycle = plan_model_limits(engines, tick.now, tick.config.model_limits,
+                                  tick.config.load_warmup_s)
+    if lifecycle:
+        outcomes = yield from _execute(tick, lifecycle)
+        tick.evicted = tick.evicted | {o.action.model_id for o in outcomes
+                                       if isinstance(o.action, EvictModel) and o.done}
+        engines = _remaining(tick)
     if tick.bank_bytes is None:
         return
     if tick.snap.sessions_expired:

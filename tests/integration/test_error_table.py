@@ -529,6 +529,8 @@ _CODE_OF = {
     errors.ResourceExhausted: code_pb2.RESOURCE_EXHAUSTED,
     errors.Aborted: code_pb2.ABORTED,
     errors.Internal: code_pb2.INTERNAL,
+    errors.Unauthenticated: code_pb2.UNAUTHENTICATED,
+    errors.PermissionDenied: code_pb2.PERMISSION_DENIED,
 }
 _RETRIED = (errors.Unavailable, errors.ResourceExhausted, errors.Aborted)
 

@@ -40,12 +40,16 @@ class ServerProcess:
     port: int
     log_path: Path
     frozen: bool = False
+    # TLS credentials for the harness's own channels (a server started with --tls-cert).
+    credentials: grpc.ChannelCredentials | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def channel(self) -> grpc.Channel:
+        if self.credentials is not None:
+            return grpc.secure_channel(self.address, self.credentials)
         return grpc.insecure_channel(self.address)
 
     @contextmanager
@@ -62,7 +66,7 @@ class ServerProcess:
     def wait_serving(self, timeout: float = 180) -> None:
         """Until the health service says SERVING; raises if the server exits first."""
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.address) as ch:
+        with self.channel() as ch:  # health needs no token, only the TLS
             stub = health_pb2_grpc.HealthStub(ch)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
@@ -99,17 +103,21 @@ class ServerProcess:
 
 
 def start_server(log_dir: Path, *args: str, env: dict | None = None, wait: bool = True,
-                 prefix: list[str] | None = None, timeout: float = 180) -> ServerProcess:
-    """`plimsoll serve --port <free> *args`, logging to `log_dir`; waits for SERVING if `wait`."""
+                 prefix: list[str] | None = None, timeout: float = 180,
+                 credentials: grpc.ChannelCredentials | None = None) -> ServerProcess:
+    """`plimsoll serve --port <free> *args`, logging to `log_dir`; waits for SERVING if `wait`.
+    `credentials`: TLS for the harness's channels, when `args` turn TLS on."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     cmd = [*(prefix or []), sys.executable, "-m", "service.cli", "serve",
            "--port", str(port), *args]
-    full_env = {**os.environ, **(env or {})}
+    # An exported PLIMSOLL_TOKEN would lock the server; only `env` may set it.
+    full_env = {**{k: v for k, v in os.environ.items() if k != "PLIMSOLL_TOKEN"},
+                **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env=full_env)
-    server = ServerProcess(proc, port, log_path)
+    server = ServerProcess(proc, port, log_path, credentials=credentials)
     if wait:
         try:
             server.wait_serving(timeout)

@@ -63,6 +63,12 @@ class ModelState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODEL_STATE_READY: _ClassVar[ModelState]
     MODEL_STATE_UNLOADING: _ClassVar[ModelState]
     MODEL_STATE_UNLOADED: _ClassVar[ModelState]
+
+class SessionTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SESSION_TIER_UNSPECIFIED: _ClassVar[SessionTier]
+    SESSION_TIER_RAM: _ClassVar[SessionTier]
+    SESSION_TIER_DISK: _ClassVar[SessionTier]
 ADMIT_VERDICT_UNSPECIFIED: AdmitVerdict
 ADMIT_VERDICT_ADMIT: AdmitVerdict
 ADMIT_VERDICT_ADMIT_AFTER_SHEDDING: AdmitVerdict
@@ -102,6 +108,9 @@ MODEL_STATE_LOADING: ModelState
 MODEL_STATE_READY: ModelState
 MODEL_STATE_UNLOADING: ModelState
 MODEL_STATE_UNLOADED: ModelState
+SESSION_TIER_UNSPECIFIED: SessionTier
+SESSION_TIER_RAM: SessionTier
+SESSION_TIER_DISK: SessionTier
 
 class AdmitRequest(_message.Message):
     __slots__ = ("request", "reserve", "reservation_ttl", "client_request_id")
@@ -294,7 +303,7 @@ class GetMemoryStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetMemoryStatusResponse(_message.Message):
-    __slots__ = ("level", "readings", "limits", "models", "leases", "enforcer_enabled", "poll_interval", "admission", "blas")
+    __slots__ = ("level", "readings", "limits", "models", "leases", "enforcer_enabled", "poll_interval", "admission", "blas", "session_disk")
     LEVEL_FIELD_NUMBER: _ClassVar[int]
     READINGS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
@@ -304,6 +313,7 @@ class GetMemoryStatusResponse(_message.Message):
     POLL_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_FIELD_NUMBER: _ClassVar[int]
     BLAS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_DISK_FIELD_NUMBER: _ClassVar[int]
     level: _types_pb2.PressureLevel
     readings: _types_pb2.MemoryReadings
     limits: _types_pb2.MemoryLimits
@@ -313,7 +323,64 @@ class GetMemoryStatusResponse(_message.Message):
     poll_interval: _duration_pb2.Duration
     admission: _types_pb2.AdmissionState
     blas: BlasInfo
-    def __init__(self, level: _Optional[_Union[_types_pb2.PressureLevel, str]] = ..., readings: _Optional[_Union[_types_pb2.MemoryReadings, _Mapping]] = ..., limits: _Optional[_Union[_types_pb2.MemoryLimits, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., enforcer_enabled: _Optional[bool] = ..., poll_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., admission: _Optional[_Union[_types_pb2.AdmissionState, _Mapping]] = ..., blas: _Optional[_Union[BlasInfo, _Mapping]] = ...) -> None: ...
+    session_disk: SessionDiskTier
+    def __init__(self, level: _Optional[_Union[_types_pb2.PressureLevel, str]] = ..., readings: _Optional[_Union[_types_pb2.MemoryReadings, _Mapping]] = ..., limits: _Optional[_Union[_types_pb2.MemoryLimits, _Mapping]] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., enforcer_enabled: _Optional[bool] = ..., poll_interval: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., admission: _Optional[_Union[_types_pb2.AdmissionState, _Mapping]] = ..., blas: _Optional[_Union[BlasInfo, _Mapping]] = ..., session_disk: _Optional[_Union[SessionDiskTier, _Mapping]] = ...) -> None: ...
+
+class SessionDiskTier(_message.Message):
+    __slots__ = ("directory", "budget_bytes", "bytes", "entries", "pending_writes", "pending_bytes", "writes", "written_bytes", "written_last_hour_bytes", "write_budget_bytes_per_hour", "restores", "restore_failures", "hits_ram", "hits_disk", "misses", "drops", "collected", "free_disk_bytes", "kv_bits")
+    class DropsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class CollectedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_WRITES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_LAST_HOUR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITE_BUDGET_BYTES_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
+    RESTORES_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    HITS_RAM_FIELD_NUMBER: _ClassVar[int]
+    HITS_DISK_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    DROPS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTED_FIELD_NUMBER: _ClassVar[int]
+    FREE_DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BITS_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    budget_bytes: int
+    bytes: int
+    entries: int
+    pending_writes: int
+    pending_bytes: int
+    writes: int
+    written_bytes: int
+    written_last_hour_bytes: int
+    write_budget_bytes_per_hour: int
+    restores: int
+    restore_failures: int
+    hits_ram: int
+    hits_disk: int
+    misses: int
+    drops: _containers.ScalarMap[str, int]
+    collected: _containers.ScalarMap[str, int]
+    free_disk_bytes: int
+    kv_bits: int
+    def __init__(self, directory: _Optional[str] = ..., budget_bytes: _Optional[int] = ..., bytes: _Optional[int] = ..., entries: _Optional[int] = ..., pending_writes: _Optional[int] = ..., pending_bytes: _Optional[int] = ..., writes: _Optional[int] = ..., written_bytes: _Optional[int] = ..., written_last_hour_bytes: _Optional[int] = ..., write_budget_bytes_per_hour: _Optional[int] = ..., restores: _Optional[int] = ..., restore_failures: _Optional[int] = ..., hits_ram: _Optional[int] = ..., hits_disk: _Optional[int] = ..., misses: _Optional[int] = ..., drops: _Optional[_Mapping[str, int]] = ..., collected: _Optional[_Mapping[str, int]] = ..., free_disk_bytes: _Optional[int] = ..., kv_bits: _Optional[int] = ...) -> None: ...
 
 class BlasInfo(_message.Message):
     __slots__ = ("name", "version", "description", "threads", "optimized", "reason")
@@ -332,7 +399,7 @@ class BlasInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., threads: _Optional[int] = ..., optimized: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("source", "state", "measured_bytes", "active_requests", "waiting_requests", "pinned", "context_length", "kv_bytes_per_token", "is_default", "batch_cap", "pending_unload", "store_cache_cap", "model_id", "last_used_time", "load_time")
+    __slots__ = ("source", "state", "measured_bytes", "active_requests", "waiting_requests", "pinned", "context_length", "kv_bytes_per_token", "is_default", "batch_cap", "pending_unload", "store_cache_cap", "model_id", "last_used_time", "load_time", "keep_alive", "expire_time")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     MEASURED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +415,8 @@ class ModelInfo(_message.Message):
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_TIME_FIELD_NUMBER: _ClassVar[int]
     LOAD_TIME_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    EXPIRE_TIME_FIELD_NUMBER: _ClassVar[int]
     source: str
     state: ModelState
     measured_bytes: int
@@ -363,7 +432,9 @@ class ModelInfo(_message.Message):
     model_id: str
     last_used_time: _timestamp_pb2.Timestamp
     load_time: _timestamp_pb2.Timestamp
-    def __init__(self, source: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., measured_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., pinned: _Optional[bool] = ..., context_length: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., is_default: _Optional[bool] = ..., batch_cap: _Optional[int] = ..., pending_unload: _Optional[str] = ..., store_cache_cap: _Optional[int] = ..., model_id: _Optional[str] = ..., last_used_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., load_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    keep_alive: _duration_pb2.Duration
+    expire_time: _timestamp_pb2.Timestamp
+    def __init__(self, source: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., measured_bytes: _Optional[int] = ..., active_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., pinned: _Optional[bool] = ..., context_length: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., is_default: _Optional[bool] = ..., batch_cap: _Optional[int] = ..., pending_unload: _Optional[str] = ..., store_cache_cap: _Optional[int] = ..., model_id: _Optional[str] = ..., last_used_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., load_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., keep_alive: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., expire_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ("page_size", "page_token")
@@ -382,12 +453,14 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("source", "model_id")
+    __slots__ = ("source", "model_id", "keep_alive")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
     source: str
     model_id: str
-    def __init__(self, source: _Optional[str] = ..., model_id: _Optional[str] = ...) -> None: ...
+    keep_alive: _duration_pb2.Duration
+    def __init__(self, source: _Optional[str] = ..., model_id: _Optional[str] = ..., keep_alive: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
 
 class LoadModelResponse(_message.Message):
     __slots__ = ("model",)
@@ -414,20 +487,22 @@ class UnloadModelResponse(_message.Message):
     def __init__(self, freed_bytes: _Optional[int] = ..., aborted_requests: _Optional[int] = ..., released_leases: _Optional[int] = ...) -> None: ...
 
 class SessionEntry(_message.Message):
-    __slots__ = ("prefix_tokens", "bytes", "terminal", "hits", "model_id", "last_access_time")
+    __slots__ = ("prefix_tokens", "bytes", "terminal", "hits", "model_id", "last_access_time", "tier")
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     TERMINAL_FIELD_NUMBER: _ClassVar[int]
     HITS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     LAST_ACCESS_TIME_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     prefix_tokens: int
     bytes: int
     terminal: bool
     hits: int
     model_id: str
     last_access_time: _timestamp_pb2.Timestamp
-    def __init__(self, prefix_tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., terminal: _Optional[bool] = ..., hits: _Optional[int] = ..., model_id: _Optional[str] = ..., last_access_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    tier: SessionTier
+    def __init__(self, prefix_tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., terminal: _Optional[bool] = ..., hits: _Optional[int] = ..., model_id: _Optional[str] = ..., last_access_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., tier: _Optional[_Union[SessionTier, str]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "entries", "bytes", "active", "pinned")
@@ -454,14 +529,16 @@ class ListSessionsRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
-    __slots__ = ("sessions", "total_bytes", "next_page_token")
+    __slots__ = ("sessions", "total_bytes", "next_page_token", "session_disk")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_DISK_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     total_bytes: int
     next_page_token: str
-    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+    session_disk: SessionDiskTier
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., next_page_token: _Optional[str] = ..., session_disk: _Optional[_Union[SessionDiskTier, _Mapping]] = ...) -> None: ...
 
 class DropSessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -1,0 +1,112 @@
+"""Limits (issue 12, item 2) on a real server over gRPC, each a typed status: stop strings
+(count and length), WatchPressure streams open at once, Pin leases per owner. The other
+limits of the item have their own tests: in-flight requests (IN_FLIGHT_LIMIT) and the
+admission queue (QUEUE_FULL) in test_admit_predicts_generate.py and test_contract.py,
+prompt and max_tokens against the context and the message size in test_bad_input.py,
+the session bank's entry and byte caps in the session tests.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from engine.request import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
+from tools.harness.server import ServerProcess, start_server
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory) -> ServerProcess:
+    s = start_server(tmp_path_factory.mktemp("limits"), "--max-watchers", "2",
+                     "--max-leases-per-owner", "2")
+    yield s
+    s.stop()
+
+
+def details(err: grpc.RpcError) -> tuple[error_details_pb2.ErrorInfo, float | None,
+                                         list[str]]:
+    info, retry, bad = error_details_pb2.ErrorInfo(), None, []
+    for d in rpc_status.from_call(err).details:
+        if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            d.Unpack(info)
+        elif d.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
+            r = error_details_pb2.RetryInfo()
+            d.Unpack(r)
+            retry = r.retry_delay.ToNanoseconds() / 1e9
+        elif d.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            b = error_details_pb2.BadRequest()
+            d.Unpack(b)
+            bad = [v.field for v in b.field_violations]
+    return info, retry, bad
+
+
+def test_stop_strings_are_bounded_in_count_and_length(srv):
+    with grpc.insecure_channel(srv.address) as ch:
+        stub = inference_pb2_grpc.InferenceServiceStub(ch)
+        for stop, field in ((["x"] * (MAX_STOP_STRINGS + 1), "stop"),
+                            (["ok", "y" * (MAX_STOP_CHARS + 1)], "stop[1]")):
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(inference_pb2.GenerateRequest(text="hi", stop=stop),
+                                   timeout=10))
+            assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
+            assert details(err.value)[2] == [field]
+        at_limit = ["z" * MAX_STOP_CHARS] * MAX_STOP_STRINGS
+        events = list(stub.Generate(inference_pb2.GenerateRequest(
+            text="hi", stop=at_limit, max_tokens=2), timeout=30))
+        assert events[-1].WhichOneof("event") == "end"
+
+
+def test_watchpressure_streams_are_bounded(srv):
+    with grpc.insecure_channel(srv.address) as ch:
+        control = control_pb2_grpc.ControlServiceStub(ch)
+        open_ = [control.WatchPressure(control_pb2.WatchPressureRequest(), timeout=30)
+                 for _ in range(2)]
+        for w in open_:
+            assert next(w).WhichOneof("event") == "snapshot"
+        with pytest.raises(grpc.RpcError) as err:
+            next(control.WatchPressure(control_pb2.WatchPressureRequest(), timeout=10))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        info, retry, _ = details(err.value)
+        assert info.reason == "WATCHER_LIMIT" and retry and retry > 0
+        open_[0].cancel()
+        for _ in range(50):  # the cancelled stream's slot comes back
+            try:
+                w = control.WatchPressure(control_pb2.WatchPressureRequest(), timeout=10)
+                assert next(w).WhichOneof("event") == "snapshot"
+                w.cancel()
+                break
+            except grpc.RpcError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("a cancelled WatchPressure stream never gave its slot back")
+        open_[1].cancel()
+
+
+def test_leases_are_bounded_per_owner(srv):
+    with grpc.insecure_channel(srv.address) as ch:
+        control = control_pb2_grpc.ControlServiceStub(ch)
+        model = control.ListModels(control_pb2.ListModelsRequest(), timeout=10).models[0]
+
+        def pin(owner: str):
+            return control.Pin(control_pb2.PinRequest(model_id=model.model_id, owner=owner),
+                               timeout=30).lease
+
+        held = [pin("alice"), pin("alice")]
+        with pytest.raises(grpc.RpcError) as err:
+            pin("alice")
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        info, retry, _ = details(err.value)
+        assert info.reason == "LEASE_LIMIT" and info.metadata["limit"] == "2"
+        assert retry and retry > 0
+        other = pin("bob")  # another owner is not limited by alice's leases
+        control.Unpin(control_pb2.UnpinRequest(lease_id=held[0].lease_id), timeout=10)
+        held[0] = pin("alice")
+        for lease in (*held, other):
+            control.Unpin(control_pb2.UnpinRequest(lease_id=lease.lease_id), timeout=10)

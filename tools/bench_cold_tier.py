@@ -1,0 +1,95 @@
+"""Session cold tier benchmark: time to first token restored from RAM, from disk (after
+the RAM entry was shed), from disk after a restart, and cold; bytes written per turn;
+sessions per GiB with and without quantized snapshots. Ratios within one run.
+
+    .venv/bin/python -m tools.bench_cold_tier --model small --tokens 2048 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+
+from engine.demo_models import ensure_demo_model
+from engine.pool import ModelPool
+from engine.request import Chunk, SamplingParams
+from memory.config import MemoryConfig
+from service.assembly import Service, ServiceSettings
+from service.generate import Admitted, GenerateSpec
+
+GiB = 1 << 30
+
+
+async def ttft(svc: Service, model: str, tokens: list[int], sid: str) -> tuple[float, Admitted]:
+    spec = GenerateSpec(model=model, token_ids=tokens, max_tokens=1, ignore_eos=True,
+                        session_id=sid, sampling=SamplingParams(temperature=0.0))
+    t0 = time.perf_counter()
+    start = None
+    async for ev in svc.pipeline.generate(spec):
+        if isinstance(ev, Admitted):
+            start = ev
+        elif isinstance(ev, Chunk):
+            return time.perf_counter() - t0, start
+    return time.perf_counter() - t0, start
+
+
+async def service(folder: str, path, bits: int) -> Service:
+    pool = ModelPool(asyncio.get_running_loop())
+    svc = Service(pool, ServiceSettings(session_disk_dir=folder, session_kv_bits=bits,
+                                        session_disk_min_free_bytes=0),
+                  MemoryConfig(enabled=False))
+    await pool.load(str(path), "m", default=True)
+    return svc
+
+
+async def run(size: str, lengths: list[int], bits: int) -> None:
+    path = ensure_demo_model(size)
+    folder = tempfile.mkdtemp(prefix="bench-cold-")
+    svc = await service(folder, path, bits)
+    print(f"model {size}, kv_bits {bits}, folder {folder}")
+    for n in lengths:
+        base = [(i * 7919) % 900 + 10 for i in range(n)]
+        sid = f"s{n}"
+        await ttft(svc, "m", base[:64], "")  # warm up
+        cold, _ = await ttft(svc, "m", base + [1], "")
+        await ttft(svc, "m", base, sid)  # turn 1 stores the snapshot
+        entry_bytes = svc.bank.total_bytes()
+        stored = list(svc.bank.entries()[-1].tokens)  # the prompt and its token
+        ram, s1 = await ttft(svc, "m", stored + [2], sid)
+        svc.bank.drop_session(sid)  # turn 2's own snapshot: not part of the disk figure
+        await ttft(svc, "m", base, sid)
+        written0 = svc.cold.stats().written_bytes
+        svc.bank.shrink_to_bytes(0)
+        svc.cold.flush(60)
+        written = svc.cold.stats().written_bytes - written0
+        disk, s2 = await ttft(svc, "m", stored + [3], sid)
+        # Turn 3's own snapshot would supersede the disk entry at shutdown: not kept.
+        svc.bank.drop_session(sid)
+        await svc.pool.close()
+        await asyncio.to_thread(svc.close_cold_tier)
+        svc = await service(folder, path, bits)
+        restart, s3 = await ttft(svc, "m", stored + [4], sid)
+        print(f"{n:>6} tokens: cold {cold*1e3:8.1f} ms | RAM {ram*1e3:7.1f} ms "
+              f"({cold/ram:5.1f}x, cached {s1.cached_tokens}) | disk {disk*1e3:7.1f} ms "
+              f"({cold/disk:5.1f}x, disk {s2.cached_disk_tokens}) | after restart "
+              f"{restart*1e3:7.1f} ms ({cold/restart:5.1f}x, disk {s3.cached_disk_tokens})")
+        print(f"        snapshot {entry_bytes/2**20:.1f} MiB in RAM, {written/2**20:.1f} MiB "
+              f"written per shed turn; {GiB/max(1, entry_bytes):.1f} sessions/GiB at this length")
+    await svc.pool.close()
+    await asyncio.to_thread(svc.close_cold_tier)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="small")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--kv-bits", type=int, nargs="+", default=[0, 8, 4])
+    args = ap.parse_args()
+    for bits in args.kv_bits:
+        asyncio.run(run(args.model, args.tokens, bits))
+
+
+if __name__ == "__main__":
+    main()
