@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill bf16/fp16/quantized models with MLX's own kernels instead "
                    "of converting one layer at a time to float32 for the optimized BLAS "
                    "(Linux CPU; see engine/fast_prefill.py)")
+    s.add_argument("--max-streams-per-connection", type=int, default=100, metavar="N",
+                   help="calls one client connection may have open at once (HTTP/2); its "
+                   "further calls wait in the client (default: %(default)s)")
     s.add_argument("--max-watchers", type=int, default=256, metavar="N",
                    help="WatchPressure streams open at once; more are refused "
                    "RESOURCE_EXHAUSTED / WATCHER_LIMIT (default: %(default)s)")
@@ -346,6 +349,7 @@ def _serve(args) -> int:
         max_message_bytes=args.max_message_mb * MiB,
         stream_stall_timeout_s=args.stream_stall_timeout,
         max_watchers=args.max_watchers,
+        max_streams_per_connection=args.max_streams_per_connection,
         drain_grace_s=args.drain_seconds,
         engine=EngineSettings(max_num_seqs=args.max_num_seqs,
                               prefill_step_size=args.prefill_step_size,
@@ -403,6 +407,7 @@ def _serve(args) -> int:
                         ("--max-message-mb", args.max_message_mb),
                         ("--stream-stall-timeout", args.stream_stall_timeout),
                         ("--max-watchers", args.max_watchers),
+                        ("--max-streams-per-connection", args.max_streams_per_connection),
                         ("--max-leases-per-owner", args.max_leases_per_owner)):
         if value <= 0:
             raise CliError(f"{name} must be > 0, got {value}")

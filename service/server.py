@@ -53,6 +53,8 @@ REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 MiB = 1024 * 1024
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# Streams one client connection may have open at once (--max-streams-per-connection).
+DEFAULT_STREAMS_PER_CONNECTION = 100
 
 # Drain: how often to look at the streams still running, how long streams cut at the
 # end of the grace get to send their status, and the gRPC stop's own grace after that.
@@ -76,6 +78,7 @@ class ServerConfig:
     # A Generate whose client reads nothing this long ends ABORTED / CLIENT_STALLED.
     stream_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
     max_watchers: int = DEFAULT_MAX_SUBSCRIBERS  # WatchPressure streams open at once
+    max_streams_per_connection: int = DEFAULT_STREAMS_PER_CONNECTION
     drain_grace_s: float = 30.0
     engine: EngineSettings = field(default_factory=EngineSettings)
     service: ServiceSettings = field(default_factory=ServiceSettings)
@@ -211,10 +214,16 @@ def drain_cut_error(grace_s: float) -> Unavailable:
     )
 
 
-def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def grpc_options(max_message_bytes: int,
+                 max_streams_per_connection: int = DEFAULT_STREAMS_PER_CONNECTION
+                 ) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: a connection's further calls wait in
+        # its client until one of its streams ends (the server-wide bound is
+        # --max-queued-requests, answered IN_FLIGHT_LIMIT).
+        ("grpc.max_concurrent_streams", max_streams_per_connection),
         # A second server on a taken port fails to start instead of sharing it.
         ("grpc.so_reuseport", 0),
         # Idle WatchPressure streams must live: ping idle clients every minute,
@@ -269,7 +278,8 @@ class PlimsollServer:
                 filters.service_prefix("grpc.health"),
                 filters.service_prefix("grpc.reflection"),
             ))), DecodeGuard()],  # last: it wraps the servicers' own handlers
-            options=grpc_options(2 * self.config.max_message_bytes),
+            options=grpc_options(2 * self.config.max_message_bytes,
+                                 self.config.max_streams_per_connection),
         )
         inference_pb2_grpc.add_InferenceServiceServicer_to_server(
             InferenceServicer(svc.pipeline, self.config.max_message_bytes,

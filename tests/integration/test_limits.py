@@ -1,6 +1,8 @@
 """Limits (issue 12, item 2) on a real server over gRPC, each a typed status: stop strings
-(count and length), WatchPressure streams open at once, Pin leases per owner. The other
-limits of the item have their own tests: in-flight requests (IN_FLIGHT_LIMIT) and the
+(count and length), WatchPressure streams open at once, Pin leases per owner. Calls per
+connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a third call on one connection waits
+in the client until one of its two ends, while another connection is not held up. The
+other limits of the item have their own tests: in-flight requests (IN_FLIGHT_LIMIT) and the
 admission queue (QUEUE_FULL) in test_admit_predicts_generate.py and test_contract.py,
 prompt and max_tokens against the context and the message size in test_bad_input.py,
 the session bank's entry and byte caps in the session tests.
@@ -8,6 +10,7 @@ the session bank's entry and byte caps in the session tests.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -25,7 +28,7 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory) -> ServerProcess:
     s = start_server(tmp_path_factory.mktemp("limits"), "--max-watchers", "2",
-                     "--max-leases-per-owner", "2")
+                     "--max-leases-per-owner", "2", "--max-streams-per-connection", "2")
     yield s
     s.stop()
 
@@ -63,22 +66,27 @@ def test_stop_strings_are_bounded_in_count_and_length(srv):
         assert events[-1].WhichOneof("event") == "end"
 
 
+def own_connection(srv: ServerProcess) -> grpc.Channel:
+    """A channel with a connection of its own (not shared with the process's others)."""
+    return grpc.insecure_channel(srv.address, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
 def test_watchpressure_streams_are_bounded(srv):
-    with grpc.insecure_channel(srv.address) as ch:
-        control = control_pb2_grpc.ControlServiceStub(ch)
-        open_ = [control.WatchPressure(control_pb2.WatchPressureRequest(), timeout=30)
-                 for _ in range(2)]
+    channels = [own_connection(srv) for _ in range(4)]
+    try:
+        watch = [control_pb2_grpc.ControlServiceStub(c).WatchPressure for c in channels]
+        open_ = [watch[i](control_pb2.WatchPressureRequest(), timeout=30) for i in range(2)]
         for w in open_:
             assert next(w).WhichOneof("event") == "snapshot"
         with pytest.raises(grpc.RpcError) as err:
-            next(control.WatchPressure(control_pb2.WatchPressureRequest(), timeout=10))
+            next(watch[2](control_pb2.WatchPressureRequest(), timeout=10))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         info, retry, _ = details(err.value)
         assert info.reason == "WATCHER_LIMIT" and retry and retry > 0
         open_[0].cancel()
         for _ in range(50):  # the cancelled stream's slot comes back
             try:
-                w = control.WatchPressure(control_pb2.WatchPressureRequest(), timeout=10)
+                w = watch[3](control_pb2.WatchPressureRequest(), timeout=10)
                 assert next(w).WhichOneof("event") == "snapshot"
                 w.cancel()
                 break
@@ -87,6 +95,9 @@ def test_watchpressure_streams_are_bounded(srv):
         else:
             pytest.fail("a cancelled WatchPressure stream never gave its slot back")
         open_[1].cancel()
+    finally:
+        for c in channels:
+            c.close()
 
 
 def test_leases_are_bounded_per_owner(srv):
@@ -110,3 +121,35 @@ def test_leases_are_bounded_per_owner(srv):
         held[0] = pin("alice")
         for lease in (*held, other):
             control.Unpin(control_pb2.UnpinRequest(lease_id=lease.lease_id), timeout=10)
+
+
+def test_calls_per_connection_wait_in_the_client_beyond_the_limit(srv):
+    long = inference_pb2.GenerateRequest(text="Once upon a time", max_tokens=400,
+                                         ignore_eos=True)
+    with grpc.insecure_channel(srv.address) as ch, own_connection(srv) as other:
+        stub = inference_pb2_grpc.InferenceServiceStub(ch)
+        running = [stub.Generate(long, timeout=60) for _ in range(2)]
+        for call in running:
+            assert next(call).WhichOneof("event") == "start"
+        third = stub.Generate(inference_pb2.GenerateRequest(text="third", max_tokens=2),
+                              timeout=60)
+        waited = {}
+
+        def read_third() -> None:
+            t0 = time.monotonic()
+            first = next(third)
+            waited["s"] = time.monotonic() - t0
+            waited["event"] = first.WhichOneof("event")
+
+        reader = threading.Thread(target=read_third)
+        reader.start()
+        time.sleep(0.5)
+        assert "s" not in waited, "the third call on the connection was not held back"
+        # Another connection is not held up by this one's limit.
+        quick = list(inference_pb2_grpc.InferenceServiceStub(other).Generate(
+            inference_pb2.GenerateRequest(text="other", max_tokens=2), timeout=30))
+        assert quick[-1].WhichOneof("event") == "end"
+        running[0].cancel()
+        reader.join(30)
+        assert waited.get("event") == "start", waited
+        running[1].cancel()
