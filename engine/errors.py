@@ -58,6 +58,7 @@ MAX_LOADED_MODELS = "MAX_LOADED_MODELS"
 MAX_MODEL_MEMORY = "MAX_MODEL_MEMORY"
 SUBSCRIBER_OVERFLOW = "SUBSCRIBER_OVERFLOW"
 LEASE_LIMIT = "LEASE_LIMIT"  # an owner holds --max-leases-per-owner leases
+RESERVATION_LIMIT = "RESERVATION_LIMIT"  # an owner holds --max-reservations-per-owner tickets
 WATCHER_LIMIT = "WATCHER_LIMIT"  # --max-watchers WatchPressure streams are open
 # ABORTED (with RetryInfo)
 ENFORCER_ABORT = "ENFORCER_ABORT"
@@ -409,6 +410,7 @@ REASONS: dict[str, type[PlimsollError]] = {
     MAX_MODEL_MEMORY: ResourceExhausted,
     SUBSCRIBER_OVERFLOW: ResourceExhausted,
     LEASE_LIMIT: ResourceExhausted,
+    RESERVATION_LIMIT: ResourceExhausted,
     WATCHER_LIMIT: ResourceExhausted,
     ENFORCER_ABORT: Aborted,
     PREFILL_ABORT: Aborted,

@@ -58,6 +58,7 @@ class ServiceSettings:
     # named at start are kept loaded either way.
     keep_alive_s: float | None = None
     max_leases_per_owner: int = 64  # Pin leases one owner may hold (service.control)
+    max_reservations_per_owner: int = 64  # live Admit tickets one owner may hold
     # The session cold tier (sessions/cold_tier.py): off unless a folder is given.
     session_disk_dir: str = ""
     session_disk_cap_bytes: int = 32 * GIB
@@ -137,7 +138,8 @@ class Service:
                              default_max_tokens=s.default_max_tokens,
                              admission_timeout_s=s.admission_timeout_s,
                              session_bank=s.session_bank,
-                             session_kv_bits=s.session_kv_bits),
+                             session_kv_bits=s.session_kv_bits,
+                             max_reservations_per_owner=s.max_reservations_per_owner),
             self.lifecycle, self.metrics,
         )
         self.pipeline.cold = self.cold

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-watchers", type=int, default=256, metavar="N",
                    help="WatchPressure streams open at once; more are refused "
                    "RESOURCE_EXHAUSTED / WATCHER_LIMIT (default: %(default)s)")
+    s.add_argument("--max-reservations-per-owner", type=int, default=64, metavar="N",
+                   help="live Admit reservations one owner may hold; more are refused "
+                   "RESOURCE_EXHAUSTED / RESERVATION_LIMIT (default: %(default)s)")
     s.add_argument("--max-leases-per-owner", type=int, default=64, metavar="N",
                    help="Pin leases one owner may hold at once; more are refused "
                    "RESOURCE_EXHAUSTED / LEASE_LIMIT (default: %(default)s)")
@@ -388,6 +391,7 @@ def _serve(args) -> int:
     rt.bank_per_session_max_bytes = min(rt.bank_per_session_max_bytes, rt.bank_max_bytes)
     rt.bank_idle_ttl_s = args.session_idle_ttl
     rt.max_leases_per_owner = args.max_leases_per_owner
+    rt.max_reservations_per_owner = args.max_reservations_per_owner
     rt.session_disk_dir = args.session_disk_dir
     rt.session_disk_cap_bytes = int(args.session_disk_gb * 1024**3)
     rt.session_disk_write_bytes_per_hour = (int(args.session_disk_write_gb_per_hour * 1024**3)
@@ -408,7 +412,8 @@ def _serve(args) -> int:
                         ("--stream-stall-timeout", args.stream_stall_timeout),
                         ("--max-watchers", args.max_watchers),
                         ("--max-streams-per-connection", args.max_streams_per_connection),
-                        ("--max-leases-per-owner", args.max_leases_per_owner)):
+                        ("--max-leases-per-owner", args.max_leases_per_owner),
+                        ("--max-reservations-per-owner", args.max_reservations_per_owner)):
         if value <= 0:
             raise CliError(f"{name} must be > 0, got {value}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:

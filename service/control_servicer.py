@@ -107,7 +107,7 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             try:
                 report = await self._service.pipeline.admit(
                     convert.spec_from_wire(request.request), request.reserve, ttl,
-                    request.client_request_id)
+                    request.client_request_id, request.owner)
             except PlimsollError as err:
                 raise under_field(err, "request") from None
         except Exception as err:

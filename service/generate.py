@@ -20,6 +20,7 @@ from opentelemetry import trace
 from engine import kv_snapshot
 from engine.errors import (
     MODEL_UNLOADING,
+    RESERVATION_LIMIT,
     FailedPrecondition,
     NotFound,
     PlimsollError,
@@ -125,6 +126,7 @@ class PipelineSettings:
     session_bank: bool = True
     # 8 or 4: bank snapshots (RAM and disk) kept as mlx-lm's quantized KV cache; 0: not.
     session_kv_bits: int = 0
+    max_reservations_per_owner: int = 64  # live Admit tickets one owner may hold
 
 
 class GeneratePipeline:
@@ -205,7 +207,7 @@ class GeneratePipeline:
 
     # -- Admit ------------------------------------------------------------------------------
     async def admit(self, spec: GenerateSpec, reserve: bool, ttl_s: float | None,
-                    client_request_id: str = "") -> AdmitReport:
+                    client_request_id: str = "", owner: str = "") -> AdmitReport:
         """ControlService.Admit: the admission Generate would run, as a preview."""
         entry, request = self.prepare(spec)
         # Tickets this request holds are its own bytes, not another client's: the one
@@ -230,9 +232,11 @@ class GeneratePipeline:
             report.retry_after_s = RETRY_AFTER_WAIT_S
             report.reason = self._in_flight_message()
         if reserve and report.verdict in (Verdict.ADMIT, Verdict.ADMIT_AFTER_SHEDDING):
+            if len(own) < 2 or own[-1] is None:  # not a retry of a ticket it holds
+                self._check_reservation_quota(owner)
             grant = self.reservations.reserve(
                 own_bytes(result.decision.inputs), entry.model_id, _digest(request), ttl_s,
-                client_request_id)
+                client_request_id, owner)
             report.reserved = grant
             held = grant.reservation
             report.ticket_expires_at = time.time() + (held.expires_at - time.monotonic())
@@ -240,6 +244,15 @@ class GeneratePipeline:
                 report.reason += (f"; reservation_ttl clamped to the server maximum "
                                   f"{self.reservations.max_ttl_s:g}s")
         return report
+
+    def _check_reservation_quota(self, owner: str) -> None:
+        held, limit = self.reservations.owner_count(owner), self.settings.max_reservations_per_owner
+        if held >= limit:
+            raise ResourceExhausted(
+                f"owner '{owner}' holds {held} reservations; the limit is {limit} per owner "
+                "(--max-reservations-per-owner): redeem them, or let their TTLs run out",
+                reason=RESERVATION_LIMIT, retry_after_s=5.0,
+                metadata={"owner": owner, "held": str(held), "limit": str(limit)})
 
     def _ticket_for(self, spec: GenerateSpec, entry: ModelEntry, request: GenerationRequest,
                     *, consume: bool) -> Reservation | None:

@@ -33,6 +33,7 @@ class Reservation:
     created_at: float
     expires_at: float
     client_request_id: str = ""
+    owner: str = ""
 
     @property
     def ttl_s(self) -> float:
@@ -69,7 +70,7 @@ class ReservationBook:
         return len(self._map)
 
     def reserve(self, nbytes: int, model: str, digest: str, ttl_s: float | None = None,
-                client_request_id: str = "") -> Grant:
+                client_request_id: str = "", owner: str = "") -> Grant:
         """Hold `nbytes` for the request `digest` names. A live reservation taken with
         the same `client_request_id` for the same request is returned, not doubled."""
         if nbytes < 0:
@@ -85,9 +86,13 @@ class ReservationBook:
         ttl = min(ttl, self.max_ttl_s)
         ticket = self._new_id()
         now = self._map.now()
-        res = Reservation(ticket, nbytes, model, digest, now, now + ttl, client_request_id)
+        res = Reservation(ticket, nbytes, model, digest, now, now + ttl, client_request_id,
+                          owner)
         self._map.put(ticket, res, ttl)
         return Grant(res, clamped=clamped, repeated=False)
+
+    def owner_count(self, owner: str) -> int:
+        return sum(1 for h in self._map.live() if h.value.owner == owner)
 
     def by_client_request_id(self, client_request_id: str) -> Reservation | None:
         return next((h.value for h in self._map.live()

@@ -1,5 +1,6 @@
 """Limits (issue 12, item 2) on a real server over gRPC, each a typed status: stop strings
-(count and length), WatchPressure streams open at once, Pin leases per owner. Calls per
+(count and length), WatchPressure streams open at once, Pin leases and Admit
+reservations per owner. Calls per
 connection (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): a third call on one connection waits
 in the client until one of its two ends, while another connection is not held up. The
 other limits of the item have their own tests: in-flight requests (IN_FLIGHT_LIMIT) and the
@@ -28,7 +29,8 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory) -> ServerProcess:
     s = start_server(tmp_path_factory.mktemp("limits"), "--max-watchers", "2",
-                     "--max-leases-per-owner", "2", "--max-streams-per-connection", "2")
+                     "--max-leases-per-owner", "2", "--max-streams-per-connection", "2",
+                     "--max-reservations-per-owner", "2")
     yield s
     s.stop()
 
@@ -153,3 +155,29 @@ def test_calls_per_connection_wait_in_the_client_beyond_the_limit(srv):
         reader.join(30)
         assert waited.get("event") == "start", waited
         running[1].cancel()
+
+
+def test_reservations_are_bounded_per_owner(srv):
+    with grpc.insecure_channel(srv.address) as ch:
+        control = control_pb2_grpc.ControlServiceStub(ch)
+
+        def reserve(owner: str, crid: str = "") -> control_pb2.AdmitResponse:
+            return control.Admit(control_pb2.AdmitRequest(
+                request=inference_pb2.GenerateRequest(text=f"reserve {owner}", max_tokens=4),
+                reserve=True, owner=owner, client_request_id=crid), timeout=30)
+
+        first = reserve("carol", "c-1")
+        assert first.ticket and reserve("carol").ticket
+        with pytest.raises(grpc.RpcError) as err:
+            reserve("carol")
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        info, retry, _ = details(err.value)
+        assert info.reason == "RESERVATION_LIMIT" and info.metadata["limit"] == "2"
+        assert retry and retry > 0
+        assert reserve("carol", "c-1").ticket == first.ticket  # a retry is not a new ticket
+        assert reserve("dave").ticket  # another owner is not limited by carol's
+        # Redeeming one gives its slot back.
+        list(inference_pb2_grpc.InferenceServiceStub(ch).Generate(
+            inference_pb2.GenerateRequest(text="reserve carol", max_tokens=4,
+                                          admission_ticket=first.ticket), timeout=30))
+        assert reserve("carol").ticket

@@ -113,16 +113,18 @@ SESSION_TIER_RAM: SessionTier
 SESSION_TIER_DISK: SessionTier
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("request", "reserve", "reservation_ttl", "client_request_id")
+    __slots__ = ("request", "reserve", "reservation_ttl", "client_request_id", "owner")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     RESERVE_FIELD_NUMBER: _ClassVar[int]
     RESERVATION_TTL_FIELD_NUMBER: _ClassVar[int]
     CLIENT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     request: _inference_pb2.GenerateRequest
     reserve: bool
     reservation_ttl: _duration_pb2.Duration
     client_request_id: str
-    def __init__(self, request: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ..., reserve: _Optional[bool] = ..., reservation_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., client_request_id: _Optional[str] = ...) -> None: ...
+    owner: str
+    def __init__(self, request: _Optional[_Union[_inference_pb2.GenerateRequest, _Mapping]] = ..., reserve: _Optional[bool] = ..., reservation_ttl: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., client_request_id: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class AdmitResponse(_message.Message):
     __slots__ = ("verdict", "projected_bytes", "pressure_level", "reusable_prefix_tokens", "shed_entries", "shed_bytes", "retry_after", "ticket", "reason", "binding_constraint", "ticket_expire_time", "reservation_ttl", "usage_bytes", "request_bytes", "reserved_bytes", "admission_limit_bytes", "admission_headroom_bytes", "error_reason")
