@@ -68,6 +68,7 @@ class GenerationRequest:
     # Token ids that end the sequence like EOS does (withheld from the output), and
     # also under ignore_eos: SMG's MLX protocol sends stops as ids, not strings.
     stop_token_ids: tuple[int, ...] = ()
+    owner: str = ""  # who it is for (GenerateRequest.owner): the bank's per-owner cap
     created_at: float = field(default_factory=time.monotonic)
 
 

@@ -59,6 +59,7 @@ class ServiceSettings:
     keep_alive_s: float | None = None
     max_leases_per_owner: int = 64  # Pin leases one owner may hold (service.control)
     max_reservations_per_owner: int = 64  # live Admit tickets one owner may hold
+    max_sessions_per_owner: int | None = None  # sessions one owner keeps in the bank
     # The session cold tier (sessions/cold_tier.py): off unless a folder is given.
     session_disk_dir: str = ""
     session_disk_cap_bytes: int = 32 * GIB
@@ -111,6 +112,7 @@ class Service:
             max_entries=s.bank_max_entries, idle_ttl_s=s.bank_idle_ttl_s,
             active_sessions=self.active_sessions,
             on_evict=self.cold.offer if self.cold is not None else None,  # spill, not drop
+            max_sessions_per_owner=s.max_sessions_per_owner,
         )
         if self.cold is not None:
             self.bank.cold_lookup = self.cold.restore_figures

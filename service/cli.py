@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-reservations-per-owner", type=int, default=64, metavar="N",
                    help="live Admit reservations one owner may hold; more are refused "
                    "RESOURCE_EXHAUSTED / RESERVATION_LIMIT (default: %(default)s)")
+    s.add_argument("--max-sessions-per-owner", type=int, default=None, metavar="N",
+                   help="sessions one GenerateRequest.owner keeps in the bank; past it its "
+                   "least recently used idle sessions are shed (default: no per-owner cap; "
+                   "the bank's own caps hold)")
     s.add_argument("--max-leases-per-owner", type=int, default=64, metavar="N",
                    help="Pin leases one owner may hold at once; more are refused "
                    "RESOURCE_EXHAUSTED / LEASE_LIMIT (default: %(default)s)")
@@ -392,6 +396,9 @@ def _serve(args) -> int:
     rt.bank_idle_ttl_s = args.session_idle_ttl
     rt.max_leases_per_owner = args.max_leases_per_owner
     rt.max_reservations_per_owner = args.max_reservations_per_owner
+    rt.max_sessions_per_owner = args.max_sessions_per_owner
+    if args.max_sessions_per_owner is not None and args.max_sessions_per_owner <= 0:
+        raise CliError(f"--max-sessions-per-owner must be > 0, got {args.max_sessions_per_owner}")
     rt.session_disk_dir = args.session_disk_dir
     rt.session_disk_cap_bytes = int(args.session_disk_gb * 1024**3)
     rt.session_disk_write_bytes_per_hour = (int(args.session_disk_write_gb_per_hour * 1024**3)

@@ -81,6 +81,7 @@ def spec_from_wire(req: inference_pb2.GenerateRequest) -> GenerateSpec:
         admission_ticket=req.admission_ticket,
         max_tokens_per_chunk=req.max_tokens_per_chunk,
         keep_alive=keep_alive_from_wire(req.keep_alive) if req.HasField("keep_alive") else None,
+        owner=req.owner,
     )
 
 

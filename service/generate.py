@@ -84,6 +84,7 @@ class GenerateSpec:
     max_tokens_per_chunk: int = 0
     # Replaces the model's keep-alive; None keeps it (renewed by this request).
     keep_alive: KeepAlive | None = None
+    owner: str = ""  # the session's owner (the bank's --max-sessions-per-owner)
     stop_token_ids: tuple[int, ...] = ()  # SMG's MLX protocol (service/smg_worker.py)
 
 
@@ -185,6 +186,7 @@ class GeneratePipeline:
             stop=spec.stop,
             ignore_eos=spec.ignore_eos,
             session_id=spec.session_id,
+            owner=spec.owner,
             max_tokens_per_chunk=spec.max_tokens_per_chunk,
             stop_token_ids=spec.stop_token_ids,
         )
@@ -465,7 +467,8 @@ class GeneratePipeline:
         cache = kv_snapshot.materialize(cache, self.settings.session_kv_bits)
         nbytes = sum(c.nbytes for c in cache)
         self.bank.put(SessionEntry(model=request.model_id, tokens=tuple(tokens),
-                                   session_id=request.session_id, payload=cache,
+                                   session_id=request.session_id, owner=request.owner,
+                                   payload=cache,
                                    nbytes=nbytes))
 
 

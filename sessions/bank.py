@@ -89,6 +89,7 @@ REASON_SESSION_RETENTION = "session_retention"
 REASON_CAP_BYTES = "cap_bytes"
 REASON_CAP_SESSION_BYTES = "cap_session_bytes"
 REASON_CAP_ENTRIES = "cap_entries"
+REASON_CAP_OWNER_SESSIONS = "cap_owner_sessions"  # an owner past max_sessions_per_owner
 REASON_DROPPED = "dropped"
 REASON_REMOVED = "removed"
 REASON_MODEL_UNLOADED = "model_unloaded"  # its model went: the cold tier may keep a copy
@@ -120,6 +121,7 @@ class SessionEntry:
     created_at: float = 0.0
     last_access: float = 0.0
     hits: int = 0
+    owner: str = ""  # who made it (GenerateRequest.owner): max_sessions_per_owner
 
     def __post_init__(self) -> None:
         self.tokens = tuple(self.tokens)
@@ -260,8 +262,11 @@ class SessionBank:
         supersede_anonymous: bool = False,
         tracer: trace.Tracer | None = None,
         inst: Instruments | None = None,
+        max_sessions_per_owner: int | None = None,
     ) -> None:
         self.max_bytes = max_bytes
+        # Sessions one owner may keep: past it, its least recently used go first.
+        self.max_sessions_per_owner = max_sessions_per_owner
         self.per_session_max_bytes = per_session_max_bytes
         self.max_entries = max_entries
         self.per_session_max_entries = per_session_max_entries
@@ -483,6 +488,8 @@ class SessionBank:
             excess = self._session_bytes[sid] - self.per_session_max_bytes
             order = self._ordered(lambda e: e.session_id == sid and e is not new, None)
             out += [(e, REASON_CAP_SESSION_BYTES) for e in self._evict_all(_take_until(order, excess))]
+        out += [(e, REASON_CAP_OWNER_SESSIONS) for e in self._evict_all(
+            self._owner_excess(new, active))]
         if self._total > self.max_bytes:
             order = self._ordered(lambda e: e is not new, active)
             victims = _take_until(order, self._total - self.max_bytes)
@@ -492,6 +499,24 @@ class SessionBank:
             victims = [e for _, e in zip(range(len(self._entries) - self.max_entries), order, strict=False)]
             out += [(e, REASON_CAP_ENTRIES) for e in self._evict_all(victims)]
         return out
+
+    def _owner_excess(self, new: SessionEntry, active: frozenset[str]) -> list[SessionEntry]:
+        """Every entry of the owner's least recently used idle sessions beyond
+        max_sessions_per_owner (the new entry's own session is never one)."""
+        cap = self.max_sessions_per_owner
+        if cap is None or new.session_id is None:
+            return []
+        last: dict[str, float] = {}
+        for e in self._entries.values():
+            if e.owner == new.owner and e.session_id is not None:
+                last[e.session_id] = max(last.get(e.session_id, 0.0), e.last_access)
+        over = len(last) - cap
+        if over <= 0:
+            return []
+        idle = sorted((t, sid) for sid, t in last.items()
+                      if sid != new.session_id and sid not in active)
+        gone = {sid for _, sid in idle[:over]}
+        return [e for e in self._entries.values() if e.session_id in gone]
 
     # -- removal ---------------------------------------------------------------
 

@@ -30,7 +30,8 @@ pytestmark = pytest.mark.timeout(120)
 def srv(tmp_path_factory) -> ServerProcess:
     s = start_server(tmp_path_factory.mktemp("limits"), "--max-watchers", "2",
                      "--max-leases-per-owner", "2", "--max-streams-per-connection", "2",
-                     "--max-reservations-per-owner", "2")
+                     "--max-reservations-per-owner", "2",
+                     "--max-sessions-per-owner", "2")
     yield s
     s.stop()
 
@@ -181,3 +182,28 @@ def test_reservations_are_bounded_per_owner(srv):
             inference_pb2.GenerateRequest(text="reserve carol", max_tokens=4,
                                           admission_ticket=first.ticket), timeout=30))
         assert reserve("carol").ticket
+
+
+def test_sessions_are_bounded_per_owner(srv):
+    with grpc.insecure_channel(srv.address) as ch:
+        control = control_pb2_grpc.ControlServiceStub(ch)
+        inference = inference_pb2_grpc.InferenceServiceStub(ch)
+
+        def turn(owner: str, session: str) -> None:
+            list(inference.Generate(inference_pb2.GenerateRequest(
+                text=f"a turn of {session}", max_tokens=2, session_id=session, owner=owner),
+                timeout=30))
+
+        def sessions() -> set[str]:
+            return {s.session_id for s in control.ListSessions(
+                control_pb2.ListSessionsRequest(), timeout=10).sessions}
+
+        for sid in ("erin-1", "erin-2"):
+            turn("erin", sid)
+        turn("frank", "frank-1")
+        assert {"erin-1", "erin-2", "frank-1"} <= sessions()
+        turn("erin", "erin-1")  # erin-2 is now erin's least recently used
+        turn("erin", "erin-3")
+        kept = sessions()
+        assert "erin-2" not in kept, kept
+        assert {"erin-1", "erin-3", "frank-1"} <= kept  # another owner's are untouched

@@ -455,3 +455,27 @@ def test_shrinks_and_expiry_open_no_span():
     assert rec.spans() == []
     assert bank.stats().evictions == {"memory_pressure": 2, "prefill_admission_chain": 3,
                                       REASON_IDLE_TTL: 1}
+
+
+def test_an_owner_past_its_session_cap_loses_its_least_recently_used_idle_session():
+    from sessions.bank import REASON_CAP_OWNER_SESSIONS, SessionBank, SessionEntry
+
+    now = [0.0]
+    evicted: list[tuple[str | None, str]] = []
+    bank = SessionBank(max_sessions_per_owner=2, clock=lambda: now[0],
+                       on_evict=lambda es, why: evicted.extend((e.session_id, why) for e in es))
+
+    def put(sid: str, owner: str, tokens: tuple[int, ...]) -> None:
+        now[0] += 1
+        bank.put(SessionEntry(model="m", tokens=tokens, session_id=sid, payload=None,
+                              nbytes=10, owner=owner))
+
+    put("a", "o1", (1,))
+    put("b", "o1", (2,))
+    put("x", "o2", (3,))
+    put("a", "o1", (1, 4))  # a is used again: b is o1's least recently used
+    put("c", "o1", (5,))
+    # (a's shorter snapshot went when its longer one superseded it.)
+    assert [e for e in evicted if e[1] == REASON_CAP_OWNER_SESSIONS] == [
+        ("b", REASON_CAP_OWNER_SESSIONS)]
+    assert {e.session_id for e in bank.entries()} == {"a", "c", "x"}

@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from plimsoll.v1 import types_pb2 as plimsoll_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bplimsoll/v1/inference.proto\x12\x0bplimsoll.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x17plimsoll/v1/types.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.plimsoll.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe8\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\xf4\x02\n\x0fGenerateRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.plimsoll.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.plimsoll.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.plimsoll.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x18\n\x10\x61\x64mission_ticket\x18\n \x01(\t\x12\x1c\n\x14max_tokens_per_chunk\x18\x0b \x01(\r\x12-\n\nkeep_alive\x18\x0c \x01(\x0b\x32\x19.google.protobuf.DurationB\x08\n\x06prompt\"\xb3\x01\n\rGenerateStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x32\n\x0epressure_level\x18\x05 \x01(\x0e\x32\x1a.plimsoll.v1.PressureLevel\x12\x1a\n\x12\x63\x61\x63hed_disk_tokens\x18\x06 \x01(\r\"0\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\x91\x02\n\x07Timings\x12\x19\n\x11tokens_per_second\x18\x04 \x01(\x01\x12\x31\n\x0equeue_duration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13time_to_first_token\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0f\x64\x65\x63ode_duration\x18\x07 \x01(\x0b\x32\x19.google.protobuf.DurationJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\rqueue_secondsR\x1btime_to_first_token_secondsR\x0e\x64\x65\x63ode_seconds\"\x9f\x01\n\x0bGenerateEnd\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.plimsoll.v1.FinishReason\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.plimsoll.v1.Usage\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.plimsoll.v1.Timings\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\t\"\x9e\x01\n\x10GenerateResponse\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.plimsoll.v1.GenerateStartH\x00\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.plimsoll.v1.GenerateChunkH\x00\x12\'\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x18.plimsoll.v1.GenerateEndH\x00\x42\x07\n\x05\x65vent*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x32]\n\x10InferenceService\x12I\n\x08Generate\x12\x1c.plimsoll.v1.GenerateRequest\x1a\x1d.plimsoll.v1.GenerateResponse0\x01\x42_\n\x0f\x64\x65v.plimsoll.v1B\x0eInferenceProtoP\x01Z:github.com/plimsoll/plimsoll/gen/go/plimsoll/v1;plimsollv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bplimsoll/v1/inference.proto\x12\x0bplimsoll.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x17plimsoll/v1/types.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.plimsoll.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe8\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\x83\x03\n\x0fGenerateRequest\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.plimsoll.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x19.plimsoll.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.plimsoll.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x06 \x01(\r\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nsession_id\x18\t \x01(\t\x12\x18\n\x10\x61\x64mission_ticket\x18\n \x01(\t\x12\x1c\n\x14max_tokens_per_chunk\x18\x0b \x01(\r\x12-\n\nkeep_alive\x18\x0c \x01(\x0b\x32\x19.google.protobuf.Duration\x12\r\n\x05owner\x18\r \x01(\tB\x08\n\x06prompt\"\xb3\x01\n\rGenerateStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x32\n\x0epressure_level\x18\x05 \x01(\x0e\x32\x1a.plimsoll.v1.PressureLevel\x12\x1a\n\x12\x63\x61\x63hed_disk_tokens\x18\x06 \x01(\r\"0\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\x91\x02\n\x07Timings\x12\x19\n\x11tokens_per_second\x18\x04 \x01(\x01\x12\x31\n\x0equeue_duration\x18\x05 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13time_to_first_token\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x32\n\x0f\x64\x65\x63ode_duration\x18\x07 \x01(\x0b\x32\x19.google.protobuf.DurationJ\x04\x08\x01\x10\x02J\x04\x08\x02\x10\x03J\x04\x08\x03\x10\x04R\rqueue_secondsR\x1btime_to_first_token_secondsR\x0e\x64\x65\x63ode_seconds\"\x9f\x01\n\x0bGenerateEnd\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.plimsoll.v1.FinishReason\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.plimsoll.v1.Usage\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.plimsoll.v1.Timings\x12\x14\n\x0cmatched_stop\x18\x04 \x01(\t\"\x9e\x01\n\x10GenerateResponse\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.plimsoll.v1.GenerateStartH\x00\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.plimsoll.v1.GenerateChunkH\x00\x12\'\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x18.plimsoll.v1.GenerateEndH\x00\x42\x07\n\x05\x65vent*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03\x32]\n\x10InferenceService\x12I\n\x08Generate\x12\x1c.plimsoll.v1.GenerateRequest\x1a\x1d.plimsoll.v1.GenerateResponse0\x01\x42_\n\x0f\x64\x65v.plimsoll.v1B\x0eInferenceProtoP\x01Z:github.com/plimsoll/plimsoll/gen/go/plimsoll/v1;plimsollv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'plimsoll.v1.inference_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\017dev.plimsoll.v1B\016InferenceProtoP\001Z:github.com/plimsoll/plimsoll/gen/go/plimsoll/v1;plimsollv1'
-  _globals['_FINISHREASON']._serialized_start=1755
-  _globals['_FINISHREASON']._serialized_end=1877
+  _globals['_FINISHREASON']._serialized_start=1770
+  _globals['_FINISHREASON']._serialized_end=1892
   _globals['_CHATMESSAGE']._serialized_start=101
   _globals['_CHATMESSAGE']._serialized_end=145
   _globals['_CHATMESSAGES']._serialized_start=147
@@ -45,19 +45,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=233
   _globals['_SAMPLINGPARAMS']._serialized_end=465
   _globals['_GENERATEREQUEST']._serialized_start=468
-  _globals['_GENERATEREQUEST']._serialized_end=840
-  _globals['_GENERATESTART']._serialized_start=843
-  _globals['_GENERATESTART']._serialized_end=1022
-  _globals['_GENERATECHUNK']._serialized_start=1024
-  _globals['_GENERATECHUNK']._serialized_end=1072
-  _globals['_USAGE']._serialized_start=1074
-  _globals['_USAGE']._serialized_end=1154
-  _globals['_TIMINGS']._serialized_start=1157
-  _globals['_TIMINGS']._serialized_end=1430
-  _globals['_GENERATEEND']._serialized_start=1433
-  _globals['_GENERATEEND']._serialized_end=1592
-  _globals['_GENERATERESPONSE']._serialized_start=1595
-  _globals['_GENERATERESPONSE']._serialized_end=1753
-  _globals['_INFERENCESERVICE']._serialized_start=1879
-  _globals['_INFERENCESERVICE']._serialized_end=1972
+  _globals['_GENERATEREQUEST']._serialized_end=855
+  _globals['_GENERATESTART']._serialized_start=858
+  _globals['_GENERATESTART']._serialized_end=1037
+  _globals['_GENERATECHUNK']._serialized_start=1039
+  _globals['_GENERATECHUNK']._serialized_end=1087
+  _globals['_USAGE']._serialized_start=1089
+  _globals['_USAGE']._serialized_end=1169
+  _globals['_TIMINGS']._serialized_start=1172
+  _globals['_TIMINGS']._serialized_end=1445
+  _globals['_GENERATEEND']._serialized_start=1448
+  _globals['_GENERATEEND']._serialized_end=1607
+  _globals['_GENERATERESPONSE']._serialized_start=1610
+  _globals['_GENERATERESPONSE']._serialized_end=1768
+  _globals['_INFERENCESERVICE']._serialized_start=1894
+  _globals['_INFERENCESERVICE']._serialized_end=1987
 # @@protoc_insertion_point(module_scope)

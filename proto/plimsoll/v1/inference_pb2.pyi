@@ -59,7 +59,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model_id", "text", "token_ids", "chat", "sampling", "max_tokens", "stop", "ignore_eos", "session_id", "admission_ticket", "max_tokens_per_chunk", "keep_alive")
+    __slots__ = ("model_id", "text", "token_ids", "chat", "sampling", "max_tokens", "stop", "ignore_eos", "session_id", "admission_ticket", "max_tokens_per_chunk", "keep_alive", "owner")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class GenerateRequest(_message.Message):
     ADMISSION_TICKET_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_CHUNK_FIELD_NUMBER: _ClassVar[int]
     KEEP_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     text: str
     token_ids: TokenIds
@@ -84,7 +85,8 @@ class GenerateRequest(_message.Message):
     admission_ticket: str
     max_tokens_per_chunk: int
     keep_alive: _duration_pb2.Duration
-    def __init__(self, model_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., session_id: _Optional[str] = ..., admission_ticket: _Optional[str] = ..., max_tokens_per_chunk: _Optional[int] = ..., keep_alive: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ...) -> None: ...
+    owner: str
+    def __init__(self, model_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., session_id: _Optional[str] = ..., admission_ticket: _Optional[str] = ..., max_tokens_per_chunk: _Optional[int] = ..., keep_alive: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class GenerateStart(_message.Message):
     __slots__ = ("request_id", "model_id", "prompt_tokens", "cached_tokens", "pressure_level", "cached_disk_tokens")
