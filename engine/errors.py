@@ -182,6 +182,17 @@ class OutOfRange(BadRequestError):
     out_of_range = True
 
 
+def check_owner_quota(owner: str, held: int, limit: int, *, what: str, flag: str,
+                      reason: str, remedy: str) -> None:
+    """RESOURCE_EXHAUSTED (RetryInfo 5 s) once `owner` holds `limit` of `what`: the one
+    shape of every per-owner limit (leases, reservations)."""
+    if held >= limit:
+        raise ResourceExhausted(
+            f"owner '{owner}' holds {held} {what}; the limit is {limit} per owner ({flag}): "
+            f"{remedy}", reason=reason, retry_after_s=5.0,
+            metadata={"owner": owner, "held": str(held), "limit": str(limit)})
+
+
 def bad_request(violations: Iterable[FieldViolation]) -> BadRequestError:
     """One error for all of `violations`: INVALID_ARGUMENT when any field is malformed,
     else OUT_OF_RANGE; the BadRequest detail lists every one either way."""

@@ -16,6 +16,7 @@ from engine.errors import (
     NotFound,
     ResourceExhausted,
     Unavailable,
+    check_owner_quota,
 )
 from engine.pool import KeepAlive, ModelEntry, ModelPool, ModelState, UnloadResult
 from memory.config import ModelLimits
@@ -130,14 +131,9 @@ class ControlPlane:
         return lease
 
     def _check_lease_quota(self, owner: str) -> None:
-        held = self.leases.owner_count(owner)
-        if held >= self.max_leases_per_owner:
-            raise ResourceExhausted(
-                f"owner '{owner}' holds {held} leases; the limit is {self.max_leases_per_owner} "
-                "per owner (--max-leases-per-owner): unpin some, or let their TTLs run out",
-                reason=LEASE_LIMIT, retry_after_s=5.0,
-                metadata={"owner": owner, "held": str(held),
-                          "limit": str(self.max_leases_per_owner)})
+        check_owner_quota(owner, self.leases.owner_count(owner), self.max_leases_per_owner,
+                          what="leases", flag="--max-leases-per-owner", reason=LEASE_LIMIT,
+                          remedy="unpin some, or let their TTLs run out")
 
     def unpin(self, lease_id: str) -> HeldLease:
         held = self.leases.unpin(lease_id)

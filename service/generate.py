@@ -27,6 +27,7 @@ from engine.errors import (
     ResourceExhausted,
     Unavailable,
     Violations,
+    check_owner_quota,
 )
 from engine.pool import KeepAlive, ModelEntry, ModelPool
 from engine.request import (
@@ -248,13 +249,10 @@ class GeneratePipeline:
         return report
 
     def _check_reservation_quota(self, owner: str) -> None:
-        held, limit = self.reservations.owner_count(owner), self.settings.max_reservations_per_owner
-        if held >= limit:
-            raise ResourceExhausted(
-                f"owner '{owner}' holds {held} reservations; the limit is {limit} per owner "
-                "(--max-reservations-per-owner): redeem them, or let their TTLs run out",
-                reason=RESERVATION_LIMIT, retry_after_s=5.0,
-                metadata={"owner": owner, "held": str(held), "limit": str(limit)})
+        check_owner_quota(owner, self.reservations.owner_count(owner),
+                          self.settings.max_reservations_per_owner, what="reservations",
+                          flag="--max-reservations-per-owner", reason=RESERVATION_LIMIT,
+                          remedy="redeem them, or let their TTLs run out")
 
     def _ticket_for(self, spec: GenerateSpec, entry: ModelEntry, request: GenerationRequest,
                     *, consume: bool) -> Reservation | None:
