@@ -157,9 +157,12 @@ def test_the_dashboard_says_when_the_server_restarted_and_the_recording_plots(tm
         assert "connected: snapshot at sequence" in text
         for mark in (" soft ", " hard ", " ceiling "):
             assert mark in text
-        # Let a few samples go by so the old process's sequence is clearly ahead.
+        # Let a few samples go by so the old process's sequence is clearly ahead: past the
+        # snapshot's own sequence (which counts what the server published before we came).
+        start = int(text.split("snapshot at sequence ", 1)[1].split()[0])
         screen.wait_for(lambda s: "sequence " in s and int(
-            s.split("sequence ", 1)[1].split()[0]) >= 5, 20, "sequence >= 5")
+            s.split("sequence ", 1)[1].split()[0]) >= start + 3, 20,
+            f"sequence >= {start + 3}")
         first.stop(signal.SIGKILL, 10)
         screen.wait_for(lambda s: "disconnected" in s and "reconnecting" in s, 20,
                         "the break")
