@@ -58,6 +58,15 @@ def _direct_ids(worker, max_tokens: int = 12, ignore_eos: bool = False) -> list[
                 for t in r.chunk.token_ids]
 
 
+def _wait_until_idle(engine) -> None:
+    # A cancelled or aborted stream frees its slot once the server has seen the end, a
+    # moment after the client let go; the next test needs the one slot.
+    deadline = time.monotonic() + 30
+    while engine.GetServerInfo(mlx.GetServerInfoRequest(), timeout=10).active_requests:
+        assert time.monotonic() < deadline, "the in-flight slot was never freed"
+        time.sleep(0.05)
+
+
 def test_generate_matches_plimsoll_generate_streaming_and_not(worker, engine):
     direct = _direct_ids(worker, ignore_eos=True)
     whole = list(engine.Generate(_request(False, ignore_eos=True), timeout=60))
@@ -112,6 +121,7 @@ def test_a_shed_reaches_smg_as_resource_exhausted_with_retry_info(engine):
         assert "RetryInfo" in kinds
     finally:
         long.cancel()
+        _wait_until_idle(engine)
 
 
 def test_abort_ends_a_stream_and_frees_its_slot(engine):
@@ -136,16 +146,9 @@ def test_abort_ends_a_stream_and_frees_its_slot(engine):
     assert not reader.is_alive()
     assert "complete" not in ended and ended[-1] in ("ended", "CANCELLED")
     # Its slot is free again (the in-flight limit is 1): a new request runs.
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            done = next(iter(engine.Generate(_request(False, request_id="after"),
-                                             timeout=30))).complete
-            break
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+    _wait_until_idle(engine)
+    done = next(iter(engine.Generate(_request(False, request_id="after"),
+                                     timeout=30))).complete
     assert done.finish_reason in ("stop", "length")
 
 
