@@ -27,6 +27,7 @@ from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 from engine import errors
 from engine.demo_models import kv_bytes_per_token
 from engine.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from engine.sources import check_source, looks_like_path
 from memory.chunking import ConversionTransient
 
 DEFAULT_CONTEXT = 4096
@@ -137,28 +138,6 @@ def load_model(source: str) -> LoadedModel:
     )
 
 
-def _looks_like_path(source: str) -> bool:
-    return source.startswith(("/", ".", "~")) or source.count("/") > 1 or "\\" in source
-
-
-# A path longer than the OS's (PATH_MAX) names nothing; stat() would raise instead.
-MAX_SOURCE_CHARS = 4096
-
-
-def check_source(source: str) -> None:
-    """INVALID_ARGUMENT for a source no folder or repository can have: empty, over
-    MAX_SOURCE_CHARS, or holding a NUL or another control character."""
-    if not source:
-        raise InvalidArgument("source is empty: give a local folder or a repository id",
-                              "source")
-    if len(source) > MAX_SOURCE_CHARS:
-        raise InvalidArgument(f"source is {len(source)} characters long; a folder path or "
-                              f"repository id has at most {MAX_SOURCE_CHARS}", "source")
-    if any(ord(c) < 32 or ord(c) == 127 for c in source):
-        raise InvalidArgument("source holds a control character (a NUL, a newline...); "
-                              "no folder or repository id does", "source")
-
-
 def resolve_source(source: str) -> Path:
     """The local folder to load `source` from, fetching a repository id first."""
     check_source(source)
@@ -169,7 +148,7 @@ def resolve_source(source: str) -> Path:
         raise FailedPrecondition(f"source '{source}' is a file, not a model folder",
                                  errors.LOAD_FAILED, resource_type="source",
                                  resource_name=source)
-    if _looks_like_path(source):
+    if looks_like_path(source):
         raise NotFound(f"source '{source}' is not a folder on the server", "source",
                        resource_name=source)
     try:

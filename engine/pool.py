@@ -24,7 +24,7 @@ from engine.errors import (
     PlimsollError,
     Unavailable,
 )
-from engine.loading import check_source, default_model_id, estimate_load_bytes
+from engine.loading import default_model_id, estimate_load_bytes
 from engine.model_engine import (
     EngineSettings,
     FinishHook,
@@ -32,6 +32,7 @@ from engine.model_engine import (
     thread_gone,
     wait_threads_gone,
 )
+from engine.sources import check_source
 from memory.chunking import ConversionTransient
 from telemetry import names, tracer
 

@@ -39,7 +39,7 @@ import grpc
 from engine import errors
 from engine.demo_models import demo_model_path
 from engine.errors import InvalidArgument, PermissionDenied, PlimsollError, Unauthenticated
-from engine.loading import _looks_like_path  # the same path-or-repository test as loading
+from engine.sources import looks_like_path  # the same path-or-repository test as loading
 from plimsoll.v1 import control_pb2, inference_pb2
 from service import status
 from service.tls import ServerTls, TlsFiles
@@ -330,7 +330,7 @@ class SourcePolicy:
         if not source:
             return  # the loader's own check names the empty field
         path = Path(source).expanduser()
-        is_path = path.exists() or _looks_like_path(source)
+        is_path = path.exists() or looks_like_path(source)
         if not is_path:
             if not self.allow_hub:
                 raise PermissionDenied(

@@ -17,16 +17,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine import blas
 from engine.demo_models import DEMO_SIZES
-from engine.model_engine import EngineSettings
-from engine.pool import KeepAlive
 from memory.config import MemoryConfig
 from memory.plans.admission import validate_scheduler_settings
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from service import auth, operator_cli
-from service.cli_common import add_access, open_aio_channel
+from service.cli_common import MiB, add_access, open_aio_channel
 from service.readiness import DEFAULT_HOLD_S
-from service.server import MiB, ServerConfig, serve
-from telemetry.setup import TelemetrySettings
 
 DEFAULT_PORT = 50051
 
@@ -345,6 +341,12 @@ def memory_config(args) -> MemoryConfig:
 
 
 def _serve(args) -> int:
+    # The server's modules (MLX, mlx-lm) load only here: client verbs start fast.
+    from engine.model_engine import EngineSettings
+    from engine.pool import KeepAlive
+    from service.server import ServerConfig, serve
+    from telemetry.setup import TelemetrySettings
+
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(

@@ -12,7 +12,7 @@ from engine.errors import (
     Unavailable,
     under_field,
 )
-from engine.loading import check_source
+from engine.sources import check_source
 from memory.plans import admission as adm
 from memory.plans.admission import Verdict
 from plimsoll.v1 import control_pb2, control_pb2_grpc

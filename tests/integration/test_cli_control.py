@@ -199,6 +199,16 @@ def test_the_installed_command_exits_non_zero_without_a_traceback(srv):
     assert proc.returncode == 0 and json.loads(proc.stdout)["level"] == "ok"
 
 
+def test_client_verbs_do_not_load_the_server_s_modules():
+    """MLX and mlx-lm load with `serve` only: a client verb starts in a fraction of the
+    second an interpreter needs to import them."""
+    code = ("import sys, service.cli; heavy = {'mlx_lm', 'mlx.core', 'transformers'}; "
+            "print(sorted(heavy & set(sys.modules)))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
 def test_the_older_verbs_still_work(plimsoll):
     rc, out, _ = plimsoll("models")
     assert rc == 0 and "demo-tiny*" in out

@@ -35,6 +35,9 @@ EXAMPLES = int(os.environ.get("PLIMSOLL_FUZZ_EXAMPLES", "20"))
 CALL_TIMEOUT_S = 5.0
 STREAM_MESSAGES = 2  # a streaming answer is read this far, then cancelled
 STREAM_TIMEOUT_S = 1.0  # WatchPressure streams until cancelled
+# WatchPressure's first message (the snapshot) shows the request was taken; a second
+# waits for the next sample, a deadline's worth per example.
+FIRST_MESSAGE_ONLY = {"WatchPressure"}
 FD = _descriptor.FieldDescriptor
 
 METHODS = [
@@ -185,8 +188,9 @@ def call_raw(channel: grpc.Channel, service: str, m, payload: bytes) -> str:
             stream = channel.unary_stream(path, request_serializer=identity,
                                           response_deserializer=identity)(
                 payload, timeout=STREAM_TIMEOUT_S)
+            limit = 1 if m.name in FIRST_MESSAGE_ONLY else STREAM_MESSAGES
             for i, _ in enumerate(stream):
-                if i + 1 >= STREAM_MESSAGES:
+                if i + 1 >= limit:
                     stream.cancel()
                     break
         else:
