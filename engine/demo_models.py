@@ -199,6 +199,10 @@ DEMO_VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": {"dtype": "bfloat16"},
     "4bit": {"dtype": "bfloat16", "quantize": True, "q_bits": 4, "q_group_size": 64},
     "8bit": {"dtype": "bfloat16", "quantize": True, "q_bits": 8, "q_group_size": 64},
+    "fp32": {"dtype": "float32"},
+    # The same weights with a longer context (RoPE has no trained length here): for the
+    # benchmarks of long prompts, e.g. the cold tier's 8,192-token restore.
+    "16k": {"context": 16384},
 }
 
 
@@ -433,8 +437,21 @@ def _convert(source: Path, dest: Path, options: dict[str, Any]) -> None:
 
     from mlx_lm.convert import convert
 
+    options = dict(options)
+    context = options.pop("context", None)
     with contextlib.redirect_stdout(io.StringIO()):
         convert(str(source), str(dest), **options)
+    # mlx_lm's convert casts the weights but keeps the config's dtype, from which the KV
+    # bytes per token are read: say what the weights now are.
+    edits: dict[str, dict[str, Any]] = {}
+    if "dtype" in options:
+        edits["config.json"] = {"torch_dtype": options["dtype"]}
+    if context is not None:
+        edits.setdefault("config.json", {})["max_position_embeddings"] = context
+        edits["tokenizer_config.json"] = {"model_max_length": context}
+    for name, values in edits.items():
+        path = dest / name
+        _write_json(path, {**json.loads(path.read_text()), **values})
 
 
 def _variant(variant: str) -> dict[str, Any]:
