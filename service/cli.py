@@ -21,7 +21,7 @@ from memory.config import MemoryConfig
 from memory.plans.admission import validate_scheduler_settings
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from service import auth, operator_cli
-from service.cli_common import MiB, add_access, open_aio_channel
+from service.cli_common import MiB, add_access, open_aio_channel, report_error
 from service.readiness import DEFAULT_HOLD_S
 
 DEFAULT_PORT = 50051
@@ -237,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true",
                    help="send the prompt as a user chat message (chat template)")
     g.add_argument("--session", default="", help="session id to reuse cached KV")
+    g.add_argument("--ticket", default="",
+                   help="redeem a reservation from `plimsoll admit --reserve`")
 
     m = sub.add_parser("models", help="list the server's models",
                        description="List models with their state and measured size.")
@@ -255,12 +257,6 @@ def _channel(args) -> grpc.aio.Channel:
     return open_aio_channel(args)  # TLS and the token when given
 
 
-def _describe(err: grpc.aio.AioRpcError, args) -> str:
-    if err.code() == grpc.StatusCode.UNAVAILABLE and "connect" in (err.details() or "").lower():
-        return f"cannot reach a server at {args.host}:{args.port}"
-    return f"{err.code().name}: {err.details()}"
-
-
 async def _generate(args) -> int:
     req = inference_pb2.GenerateRequest(model_id=args.model, max_tokens=args.max_tokens)
     if args.chat:
@@ -272,6 +268,7 @@ async def _generate(args) -> int:
         req.sampling.seed = args.seed
     if args.session:
         req.session_id = args.session
+    req.admission_ticket = args.ticket
     async with _channel(args) as ch:
         stub = inference_pb2_grpc.InferenceServiceStub(ch)
         async for msg in stub.Generate(req, timeout=args.timeout):
@@ -453,8 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         runner = {"generate": _generate, "models": _models, "health": _health}[args.command]
         return asyncio.run(runner(args))
     except grpc.aio.AioRpcError as err:
-        print(f"plimsoll: {_describe(err, args)}", file=sys.stderr)
-        return 1
+        # The operator verbs' one line: code, ErrorInfo reason, message.
+        return report_error(err, f"{args.host}:{args.port}", as_json=False)
     except KeyboardInterrupt:
         return 130
     except Exception as err:  # noqa: BLE001 - one clear line, not a traceback

@@ -98,6 +98,20 @@ def test_admit_reserve_holds_a_ticket_that_status_counts(plimsoll):
     assert rc == 0 and "\nticket " in out and "\nexpires " in out
 
 
+def test_generate_redeems_a_reserved_ticket(plimsoll):
+    doc = as_json(plimsoll("admit", "a reserved turn", "--max-tokens", "8", "--reserve",
+                           "--json"))
+    held = as_json(plimsoll("status", "--json"))["admission"]["reservations"]
+    rc, out, err = plimsoll("generate", "a reserved turn", "--max-tokens", "8",
+                            "--ticket", doc["ticket"])
+    assert rc == 0 and "generated tokens" in err, err
+    assert as_json(plimsoll("status", "--json"))["admission"]["reservations"] == held - 1
+    # Redeemed once: the same ticket again is refused, one typed line.
+    rc, _, err = plimsoll("generate", "a reserved turn", "--max-tokens", "8",
+                          "--ticket", doc["ticket"])
+    assert rc == 1 and err.startswith("error: ") and err.count("\n") == 1, err
+
+
 def test_admit_with_bad_fields_is_one_typed_line(plimsoll):
     err = one_error(plimsoll("admit", "x", "--temperature", "-1"),
                     "INVALID_ARGUMENT", "INVALID_FIELD")

@@ -186,7 +186,7 @@ def test_cli_errors_are_one_line(server):
     assert r.stderr.strip().count("\n") == 0 and "NOT_FOUND" in r.stderr
     r = cli("health", "--port", "1")
     assert r.returncode == 1
-    assert r.stderr.strip() == "plimsoll: cannot reach a server at 127.0.0.1:1"
+    assert r.stderr.strip() == "error: UNAVAILABLE: cannot reach a server at 127.0.0.1:1"
     r = cli("serve", "--max-num-seqs", "0")
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "--max-num-seqs must be" in r.stderr
