@@ -6,6 +6,7 @@ evaluated on the thread that uses it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +61,8 @@ class LoadedModel:
     measured_bytes: int = 0
     attention_heads: int = 1
     prefill_conversion: ConversionTransient | None = None
-    folder: str = ""  # the local folder it was loaded from (the cold tier hashes it)
+    folder: str = ""  # the local folder it was loaded from
+    content_hash: str = ""  # of that folder (content_hash): the cold tier's model identity
 
     def facts(self) -> ModelFacts:
         return ModelFacts(self.context_length, self.vocab_size, self.kv_bytes_per_token,
@@ -135,7 +137,39 @@ def load_model(source: str) -> LoadedModel:
         weights_bytes=sum(p.nbytes for _, p in params),
         attention_heads=attention_heads(config),
         folder=str(folder),
+        content_hash=content_hash(folder),
     )
+
+
+# Weight files are hashed by size, safetensors header and sampled blocks: hashing every
+# byte of tens of GB at each load would take minutes, and a change of weights changes
+# their headers, sizes or the sampled blocks. Taken at load, on the engine thread.
+_HASH_BLOCK = 1 << 20
+_HASH_SAMPLES = 8
+
+
+def content_hash(folder: Path) -> str:
+    """A content hash of a model folder: config and tokenizer files whole, each
+    weight file's size, safetensors header and sampled blocks."""
+    h = hashlib.sha256()
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    for p in files:
+        name = p.name
+        if name.endswith((".json", ".txt", ".model", ".jinja")):
+            h.update(name.encode())
+            h.update(p.read_bytes())
+        elif name.endswith((".safetensors", ".bin", ".npz", ".gguf")):
+            size = p.stat().st_size
+            h.update(f"{name}:{size}".encode())
+            with p.open("rb") as f:
+                if name.endswith(".safetensors"):
+                    head = f.read(8)
+                    n = int.from_bytes(head, "little") if len(head) == 8 else 0
+                    h.update(f.read(min(n, 64 << 20)))
+                for i in range(_HASH_SAMPLES):
+                    f.seek(max(0, size - _HASH_BLOCK) * i // max(1, _HASH_SAMPLES - 1))
+                    h.update(f.read(_HASH_BLOCK))
+    return h.hexdigest()[:32]
 
 
 def resolve_source(source: str) -> Path:

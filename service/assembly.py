@@ -168,10 +168,10 @@ class Service:
             return
         for e in self.pool.entries():
             info = e.engine.info if e.engine is not None else None
-            if info is None or not info.folder or cold.compat_for(e.model_id) is not None:
+            if info is None or not info.content_hash or cold.compat_for(e.model_id) is not None:
                 continue
             dtype = str(info.config.get("torch_dtype") or info.config.get("dtype") or "unknown")
-            cold.register_model(e.model_id, compat_of(Path(info.folder), dtype,
+            cold.register_model(e.model_id, compat_of(info.content_hash, dtype,
                                                       self.settings.session_kv_bits))
 
     def close_cold_tier(self, timeout_s: float = 30.0) -> None:

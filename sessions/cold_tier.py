@@ -609,9 +609,11 @@ class ColdTier:
         return tracer.start_as_current_span(name, attributes=attrs)
 
 
-def compat_of(model_folder: Path, kv_dtype: str, kv_bits: int) -> fmt.CompatKey:
-    return fmt.CompatKey(model_hash=fmt.model_content_hash(model_folder),
-                         mlx_lm=fmt.mlx_lm_version(), kv_dtype=kv_dtype, kv_bits=kv_bits)
+def compat_of(model_hash: str, kv_dtype: str, kv_bits: int) -> fmt.CompatKey:
+    """The key a model's files carry: its content hash (engine.loading.content_hash,
+    taken at load), mlx-lm's version and the snapshots' KV format."""
+    return fmt.CompatKey(model_hash=model_hash, mlx_lm=fmt.mlx_lm_version(),
+                         kv_dtype=kv_dtype, kv_bits=kv_bits)
 
 
 def with_disk_entries(infos: Sequence[SessionInfo], tier: ColdTier | None,

@@ -34,11 +34,6 @@ RECORD_SUFFIX = ".json"
 TMP_PREFIX = ".tmp-"
 FORMAT_VERSION = 1
 KV_GROUP_SIZE = 64  # mlx-lm's default for quantized KV caches
-# Model files sampled for the content hash: hashing every byte of tens of GB of
-# weights at each start would take minutes; a change of weights changes their
-# safetensors headers, sizes or the sampled blocks.
-_HASH_BLOCK = 1 << 20
-_HASH_SAMPLES = 8
 _CHUNK = 1 << 22
 
 
@@ -69,30 +64,6 @@ class CompatKey:
     def as_dict(self) -> dict[str, Any]:
         return {"model_hash": self.model_hash, "mlx_lm": self.mlx_lm, "kv_dtype": self.kv_dtype,
                 "kv_bits": self.kv_bits, "kv_group_size": self.kv_group_size}
-
-
-def model_content_hash(folder: Path) -> str:
-    """A content hash of a model folder: config and tokenizer files whole, each
-    weight file's size, safetensors header and sampled blocks."""
-    h = hashlib.sha256()
-    files = sorted(p for p in folder.iterdir() if p.is_file())
-    for p in files:
-        name = p.name
-        if name.endswith((".json", ".txt", ".model", ".jinja")):
-            h.update(name.encode())
-            h.update(p.read_bytes())
-        elif name.endswith((".safetensors", ".bin", ".npz", ".gguf")):
-            size = p.stat().st_size
-            h.update(f"{name}:{size}".encode())
-            with p.open("rb") as f:
-                if name.endswith(".safetensors"):
-                    head = f.read(8)
-                    n = int.from_bytes(head, "little") if len(head) == 8 else 0
-                    h.update(f.read(min(n, 64 << 20)))
-                for i in range(_HASH_SAMPLES):
-                    f.seek(max(0, size - _HASH_BLOCK) * i // max(1, _HASH_SAMPLES - 1))
-                    h.update(f.read(_HASH_BLOCK))
-    return h.hexdigest()[:32]
 
 
 def entry_key(model_id: str, compat: str, tokens: Sequence[int]) -> str:
