@@ -2,7 +2,9 @@
 the RAM entry was shed), from disk after a restart, and cold; bytes written per turn;
 sessions per GiB with and without quantized snapshots. Ratios within one run.
 
-    .venv/bin/python -m tools.bench_cold_tier --model small --tokens 2048 8192
+    .venv/bin/python -m tools.bench_cold_tier --model small --variant 16k --tokens 2048 8192
+
+(the `16k` variant is the small demo model with a 16,384-token context: its own is 4,096.)
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import asyncio
 import tempfile
 import time
 
-from engine.demo_models import ensure_demo_model
+from engine.demo_models import DEMO_VARIANTS, ensure_demo_model, ensure_demo_variant
 from engine.pool import ModelPool
 from engine.request import Chunk, SamplingParams
 from memory.config import MemoryConfig
@@ -44,11 +46,11 @@ async def service(folder: str, path, bits: int) -> Service:
     return svc
 
 
-async def run(size: str, lengths: list[int], bits: int) -> None:
-    path = ensure_demo_model(size)
+async def run(size: str, variant: str, lengths: list[int], bits: int) -> None:
+    path = ensure_demo_variant(size, variant) if variant else ensure_demo_model(size)
     folder = tempfile.mkdtemp(prefix="bench-cold-")
     svc = await service(folder, path, bits)
-    print(f"model {size}, kv_bits {bits}, folder {folder}")
+    print(f"model {path.name}, kv_bits {bits}, folder {folder}")
     for n in lengths:
         base = [(i * 7919) % 900 + 10 for i in range(n)]
         sid = f"s{n}"
@@ -84,11 +86,13 @@ async def run(size: str, lengths: list[int], bits: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="small")
+    ap.add_argument("--variant", default="16k", choices=["", *DEMO_VARIANTS],
+                    help="a demo variant of the model ('' for the model itself)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--kv-bits", type=int, nargs="+", default=[0, 8, 4])
     args = ap.parse_args()
     for bits in args.kv_bits:
-        asyncio.run(run(args.model, args.tokens, bits))
+        asyncio.run(run(args.model, args.variant, args.tokens, bits))
 
 
 if __name__ == "__main__":
