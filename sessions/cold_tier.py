@@ -393,8 +393,7 @@ class ColdTier:
             if not d.write:
                 self._count_drop(span, d.drop_reason or spill.DROP_NOT_SPILLABLE)
                 return
-            for k in d.collect:
-                self._remove_files(k, spill.COLLECT_LRU)
+            self._collect(d.collect, spill.COLLECT_LRU, job.model_id)
             digest = compat.digest()
             key = fmt.entry_key(job.model_id, digest, job.tokens)
             try:
@@ -420,8 +419,7 @@ class ColdTier:
             span.set_attribute(names.ATTR_COLD_FILE_BYTES, rec.data_bytes)
             self._metrics.cold_writes.add(1, {names.ATTR_MODEL: job.model_id})
             self._metrics.cold_written_bytes.add(rec.data_bytes, {names.ATTR_MODEL: job.model_id})
-            for k in superseded:
-                self._remove_files(k, spill.COLLECT_SUPERSEDED)
+            self._collect(superseded, spill.COLLECT_SUPERSEDED, job.model_id)
 
     def _count_drop(self, span: trace.Span, reason: str) -> None:
         span.set_attribute(names.ATTR_COLD_OUTCOME, "dropped")
@@ -472,9 +470,9 @@ class ColdTier:
         its check is removed and CorruptSnapshot raised."""
         try:
             return fmt.read_verified(self.folder, rec)
-        except fmt.CorruptSnapshot:
+        except fmt.CorruptSnapshot as exc:
             self.release(rec)
-            self._remove_files(rec.key, spill.COLLECT_CORRUPT)
+            self._collect([rec.key], spill.COLLECT_CORRUPT, rec.model_id, error=str(exc))
             raise
 
     def release(self, rec: fmt.Record) -> None:
@@ -521,8 +519,7 @@ class ColdTier:
         with self._lock:
             keys = [k for k, e in self._index.items() if e.record.session_id == session_id]
             nbytes = sum(self._index[k].record.data_bytes for k in keys)
-        for k in keys:
-            self._remove_files(k, spill.COLLECT_DROPPED)
+        self._collect(keys, spill.COLLECT_DROPPED)
         return len(keys), nbytes
 
     def entries(self, model_id: str | None = None) -> list[tuple[fmt.Record, float]]:
@@ -597,6 +594,21 @@ class ColdTier:
         self._metrics.cold_collected.add(1, {names.ATTR_REASON: reason})
         for p in (fmt.record_path(self.folder, key), fmt.data_path(self.folder, key)):
             p.unlink(missing_ok=True)  # the record first: no record ever names a missing file
+
+    def _collect(self, keys: Sequence[str], reason: str, model_id: str | None = None,
+                 error: str = "") -> None:
+        """Delete entries' files under one collect span (start-up and incompatible
+        entries have their own)."""
+        if not keys:
+            return
+        attrs: dict[str, Any] = {names.ATTR_REASON: reason, names.ATTR_ENTRIES_EVICTED: len(keys)}
+        if model_id:
+            attrs[names.ATTR_MODEL] = model_id
+        if error:
+            attrs[names.ATTR_ERROR] = error
+        with self._span(names.SPAN_COLD_COLLECT, attrs):
+            for k in keys:
+                self._remove_files(k, reason)
 
     def _unlink(self, path: Path, reason: str) -> None:
         path.unlink(missing_ok=True)

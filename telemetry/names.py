@@ -22,7 +22,7 @@ SPAN_BANK_EVICT = "plimsoll.sessions.evict"  # evictions the bank makes on its o
 SPAN_PREFILL_ABORT = "plimsoll.memory.prefill_abort"
 SPAN_COLD_SPILL = "plimsoll.sessions.cold.spill"  # a shed entry written to disk, or dropped
 SPAN_COLD_RESTORE = "plimsoll.sessions.cold.restore"  # a prompt restored from disk (or not)
-SPAN_COLD_COLLECT = "plimsoll.sessions.cold.collect"  # files deleted: start-up, incompatible
+SPAN_COLD_COLLECT = "plimsoll.sessions.cold.collect"  # files deleted, with the reason
 
 # -- span attributes -------------------------------------------------------
 ATTR_LEVEL = "plimsoll.level"
