@@ -24,9 +24,16 @@ may decode through `quantized_matmul` on float32 activations and scales (MLX's f
 quantized kernel is ~10x faster than its bfloat16 one), its LM head too, when that
 measures faster on the model's own largest layer at load (`DECODE_MARGIN`); that is lazy
 and converts only scales (1/8 byte per weight, a layer at a time as MLX evaluates).
-Dense half-precision decode is never converted: one token's product is memory-bound, and
-the stock kernel wins on any layer larger than the CPU's cache (measured: 4096x4096
-bf16, 10 ms stock against 35 ms cast + sgemv).
+With `decode_dense` (`serve --fast-decode-dense`, off by default), a dense
+half-precision model decodes its cache-sized layers (and a dense LM head) through a
+float32 copy of the weight, lazily, where that measures faster per shape at load: MLX's own bfloat16 product reads ~2.5 GB/s of weights here, the cast and sgemv
+of a layer whose copy stays in the CPU's caches 3x that (512x1536: 0.17 ms against
+0.51); beyond `DENSE_DECODE_MAX_BYTES` the stock kernel wins (4096x4096: 13 ms stock
+against 33 ms cast + sgemv) and such layers are never converted. A step's copies are
+bounded by `decode_copy_bytes` and counted with the prefill's. It is off by default:
+those copies (a block's layers at once: 28 MiB on the small demo model) then weigh on
+every prefill's projection, and its float32 sums flip more near-tied greedy choices of
+the stock bfloat16 kernels (docs/benchmarks.md).
 
 It applies only where it wins: Linux, MLX on the CPU, an optimized BLAS loaded ahead of
 MLX, half-precision or quantized layers, and a chunk of at least `min_tokens` rows. The
@@ -44,6 +51,7 @@ models, docs/benchmarks.md).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -70,6 +78,13 @@ DEFAULT_MIN_TOKENS = 16
 DECODE_MARGIN = 0.8
 DECODE_REPEATS = 3
 
+# A dense half-precision layer decodes through a float32 copy of its weight (cast, then
+# BLAS) only while that copy stays within the CPU's caches: measured here, 512x1536 bf16
+# decodes in 0.17 ms that way against 0.51 stock and an 8192x512 LM head in 1.4 against
+# 3.0, but a 4096x4096 layer takes 32.5 ms against 13.3. Larger layers are never measured
+# (the copy would be their transient) nor converted.
+DENSE_DECODE_MAX_BYTES = 32 << 20
+
 DecodeMode = str  # "auto" | "stock" | "fp32"
 DECODE_MODES = ("auto", "stock", "fp32")
 
@@ -86,6 +101,9 @@ class FastPrefill:
     reason: str  # why it is on or off, one line for the log
     min_tokens: int = DEFAULT_MIN_TOKENS
     decode_fp32: bool = False  # quantized layers decode on float32 activations
+    # (out, in) of the dense half-precision layers whose decode rows run through a float32
+    # copy of the weight (lazy: one asynchronous graph per step, a layer's copy at a time).
+    decode_shapes: frozenset[tuple[int, int]] = frozenset()
     decode_reason: str = "stock"
     layers: int = 0  # wrapped Linear / QuantizedLinear modules
     dtype: str = ""  # "bfloat16", "float16", "4-bit", ... (what was found)
@@ -134,15 +152,28 @@ def _product(x: mx.array, w32: mx.array, bias: mx.array | None) -> mx.array:
     return y
 
 
+def _dense_decode_product(x: mx.array, w: mx.array, bias: mx.array | None) -> mx.array:
+    """A decode row through a float32 copy of a cache-sized weight, left lazy (MLX runs
+    the cast just before its product and frees the copy after it)."""
+    x32 = x.astype(mx.float32)
+    w32 = w.astype(mx.float32)
+    y = x32 @ w32.T if bias is None else mx.addmm(bias.astype(mx.float32), x32, w32.T)
+    return y.astype(x.dtype)
+
+
 class _FastLinear(nn.Linear):
     _fast_prefill: FastPrefill
+    _decode_only = False  # a dense LM head: its prefill logits are never evaluated
 
     def __call__(self, x: mx.array) -> mx.array:
         plan = self._fast_prefill
         w = self["weight"]
-        if x.dtype == w.dtype and _prefill_rows(x, plan):
-            plan.converted += 1
-            return _product(x, w.astype(mx.float32), self.get("bias"))
+        if x.dtype == w.dtype:
+            if not self._decode_only and _prefill_rows(x, plan):
+                plan.converted += 1
+                return _product(x, w.astype(mx.float32), self.get("bias"))
+            if x.ndim >= 2 and x.shape[-2] == 1 and tuple(w.shape) in plan.decode_shapes:
+                return _dense_decode_product(x, w, self.get("bias"))
         return nn.Linear.__call__(self, x)
 
 
@@ -398,16 +429,25 @@ def _candidates(model: nn.Module) -> list[nn.Module]:
 
 
 def _decode_heads(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
-    """Affine quantized layers outside the blocks (the LM head, a tied embedding): they
-    may decode on float32 activations, and are never converted for a prefill."""
+    """Layers outside the blocks that may decode on float32 and are never converted for
+    a prefill: affine quantized ones (the LM head, a tied embedding) and a dense
+    half-precision LM head (a tied dense embedding stays stock)."""
     inside = {id(m) for b in blocks for _, m in b.named_modules()}
     found = []
     for _, m in model.named_modules():
         kind = _STOCK_CLASSES.get(type(m), type(m))
-        if (id(m) not in inside and kind in (nn.QuantizedLinear, nn.QuantizedEmbedding)
-                and m.mode == "affine" and "biases" in m and m["scales"].dtype in HALF):
+        if id(m) in inside:
+            continue
+        quantized = (kind in (nn.QuantizedLinear, nn.QuantizedEmbedding)
+                     and m.mode == "affine" and "biases" in m and m["scales"].dtype in HALF)
+        dense = kind is nn.Linear and m["weight"].dtype in HALF
+        if quantized or dense:
             found.append(m)
     return found
+
+
+def _is_dense(m: nn.Module) -> bool:
+    return _STOCK_CLASSES.get(type(m), type(m)) is nn.Linear
 
 
 def _shape(m: nn.Module) -> tuple[int, int]:
@@ -485,9 +525,75 @@ def measure_decode(layers: list[nn.Module], plan: FastPrefill,
     return stock, fp32
 
 
+def measure_dense_decode(layers: list[nn.Module], repeats: int = DECODE_REPEATS
+                         ) -> dict[tuple[int, int], tuple[float, float]]:
+    """(stock ms, float32 ms) of one decode row per distinct dense half-precision shape
+    whose float32 copy fits DENSE_DECODE_MAX_BYTES."""
+    out: dict[tuple[int, int], tuple[float, float]] = {}
+    try:
+        for m in layers:
+            if not _is_dense(m):
+                continue
+            w = m["weight"]
+            shape = (int(w.shape[0]), int(w.shape[1]))
+            if shape in out or w.size * F32_BYTES > DENSE_DECODE_MAX_BYTES:
+                continue
+            x = mx.ones((1, 1, shape[1]), dtype=w.dtype)
+            bias = m.get("bias")
+            out[shape] = (_time_ms(lambda m=m, x=x: nn.Linear.__call__(m, x), repeats),
+                          _time_ms(lambda w=w, x=x, b=bias: _dense_decode_product(x, w, b),
+                                   repeats))
+    finally:
+        mx.clear_cache()
+    return out
+
+
+def _choose_dense_decode(plan: FastPrefill, layers: list[nn.Module], decode: DecodeMode) -> str:
+    """Sets plan.decode_shapes; the log's words for it."""
+    dense = [m for m in layers if _is_dense(m)]
+    if not dense or decode == "stock":
+        return ""
+    if decode == "fp32":
+        plan.decode_shapes = frozenset(
+            (int(m["weight"].shape[0]), int(m["weight"].shape[1])) for m in dense
+            if m["weight"].size * F32_BYTES <= DENSE_DECODE_MAX_BYTES)
+        return f"{len(plan.decode_shapes)} dense shapes float32 (set)"
+    timing = measure_dense_decode(dense)
+    plan.decode_shapes = frozenset(
+        k for k, (stock, fp32) in timing.items() if fp32 < DECODE_MARGIN * stock)
+    stock_ms = sum(t[0] for t in timing.values())
+    fp32_ms = sum(t[1] if k in plan.decode_shapes else t[0] for k, t in timing.items())
+    return (f"{len(plan.decode_shapes)} of {len(timing)} dense shapes float32 (measured "
+            f"{stock_ms:.2f} -> {fp32_ms:.2f} ms over one layer of each)")
+
+
+def decode_copy_bytes(plan: FastPrefill, blocks: list[nn.Module],
+                      heads: list[nn.Module]) -> int:
+    """The float32 copies a decode step holds at once, at most: a lazy step may run a
+    block's casts before their products, and the head's while the last block's are
+    still held (measured: 35.1 MiB at peak on the medium demo model, whose blocks copy
+    40 MiB each; 26.1 MiB on the small one, whose last block and head copy 28.6)."""
+    def copy(m: nn.Module) -> int:
+        converted = _is_dense(m) and tuple(m["weight"].shape) in plan.decode_shapes
+        return m["weight"].size * F32_BYTES if converted else 0
+
+    per_block = [sum(copy(m) for _, m in b.named_modules() if isinstance(m, _FastLinear))
+                 for b in blocks if isinstance(b, nn.Module)]
+    return max([0, *per_block]) + max([0, *(copy(m) for m in heads)])
+
+
+def _with_decode_weight(plan: FastPrefill, blocks: list[nn.Module],
+                        heads: list[nn.Module]) -> None:
+    """The transient's weight term covers what a decode step converts (the larger of a
+    prefill's one layer and a decode step's copies)."""
+    held = decode_copy_bytes(plan, blocks, heads)
+    if held > plan.transient.weight_bytes:
+        plan.transient = dataclasses.replace(plan.transient, weight_bytes=held)
+
+
 def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT_MIN_TOKENS,
-            decode: DecodeMode = "auto", kv_bytes_per_token: int = 0,
-            kv_dtype_bytes: int = 2) -> FastPrefill:
+            decode: DecodeMode = "auto", decode_dense: bool = False,
+            kv_bytes_per_token: int = 0, kv_dtype_bytes: int = 2) -> FastPrefill:
     """Decide for this model and wrap its layers; binds the calling thread (the one that
     will run the model). Nothing is wrapped when the environment or the model do not
     qualify, or when `enabled` is False (the stock path, exactly)."""
@@ -508,12 +614,13 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
         transient=transient_for(layers, kv_bytes_per_token, len(blocks), kv_dtype_bytes))
     quantized = any(_STOCK_CLASSES.get(type(m), type(m)) is nn.QuantizedLinear
                     for m in layers)
-    heads = _decode_heads(model, blocks) if quantized else []
+    heads = [m for m in _decode_heads(model, blocks)
+             if (decode_dense and _is_dense(m)) or (quantized and not _is_dense(m))]
     for m in layers + heads:
         m._fast_prefill = plan
         m.__class__ = _FAST_CLASSES[_STOCK_CLASSES.get(type(m), type(m))]
     for m in heads:
-        if isinstance(m, _FastQuantizedLinear):
+        if isinstance(m, (_FastQuantizedLinear, _FastLinear)):
             m._decode_only = True
     plan.wrapped = [weakref.ref(m) for m in layers + heads]
     _patch_modules(model)
@@ -533,6 +640,11 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
                                   f"(measured {stock:.2f} ms stock, {fp32:.2f} ms float32)")
     else:
         plan.decode_reason = "stock (set)"
+    dense = _choose_dense_decode(plan, layers + heads, decode) if decode_dense else ""
+    if dense:
+        plan.decode_reason = (dense if plan.decode_reason.startswith("stock (dense")
+                              else f"{plan.decode_reason}; {dense}")
+        _with_decode_weight(plan, blocks, heads)
     return plan
 
 
@@ -548,5 +660,6 @@ def uninstall(plan: FastPrefill) -> None:
     plan.wrapped = []
     plan.enabled = False
     plan.decode_fp32 = False
+    plan.decode_shapes = frozenset()
     if getattr(_thread, "plan", None) is plan:
         _thread.plan = None

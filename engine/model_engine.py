@@ -74,7 +74,10 @@ class EngineSettings:
     # one layer converted at a time (engine/fast_prefill.py); False keeps the stock path.
     fast_prefill: bool = True
     fast_prefill_min_tokens: int = 16  # rows (tokens x sequences) of a converted chunk
-    fast_decode: str = "auto"  # quantized decode: "auto" (measured at load), "stock", "fp32"
+    # Decode through float32: "auto" (measured per model at load), "stock", "fp32"; for
+    # quantized layers, and for cache-sized dense half-precision ones with fast_decode_dense.
+    fast_decode: str = "auto"
+    fast_decode_dense: bool = False
 
 
 def _stop_sequences(req: GenerationRequest, eos: StopSequences, no_stop: StopSequences,
@@ -454,7 +457,8 @@ class ModelEngine:
         s = self.settings
         plan = fast_prefill.install(
             info.model, enabled=s.fast_prefill, min_tokens=s.fast_prefill_min_tokens,
-            decode=s.fast_decode, kv_bytes_per_token=info.kv_bytes_per_token,
+            decode=s.fast_decode, decode_dense=s.fast_decode_dense,
+            kv_bytes_per_token=info.kv_bytes_per_token,
             kv_dtype_bytes=dtype_bytes(info.config.get("torch_dtype")
                                        or info.config.get("dtype")))
         self.fast_prefill = plan

@@ -15,6 +15,7 @@ import tempfile
 import time
 
 from engine.demo_models import DEMO_VARIANTS, ensure_demo_model, ensure_demo_variant
+from engine.model_engine import EngineSettings
 from engine.pool import ModelPool
 from engine.request import Chunk, SamplingParams
 from memory.config import MemoryConfig
@@ -37,8 +38,9 @@ async def ttft(svc: Service, model: str, tokens: list[int], sid: str) -> tuple[f
     return time.perf_counter() - t0, start
 
 
-async def service(folder: str, path, bits: int) -> Service:
-    pool = ModelPool(asyncio.get_running_loop())
+async def service(folder: str, path, bits: int, dense: bool = False) -> Service:
+    pool = ModelPool(asyncio.get_running_loop(),
+                     settings=EngineSettings(fast_decode_dense=dense))
     svc = Service(pool, ServiceSettings(session_disk_dir=folder, session_kv_bits=bits,
                                         session_disk_min_free_bytes=0),
                   MemoryConfig(enabled=False))
@@ -46,10 +48,10 @@ async def service(folder: str, path, bits: int) -> Service:
     return svc
 
 
-async def run(size: str, variant: str, lengths: list[int], bits: int) -> None:
+async def run(size: str, variant: str, lengths: list[int], bits: int, dense: bool) -> None:
     path = ensure_demo_variant(size, variant) if variant else ensure_demo_model(size)
     folder = tempfile.mkdtemp(prefix="bench-cold-")
-    svc = await service(folder, path, bits)
+    svc = await service(folder, path, bits, dense)
     print(f"model {path.name}, kv_bits {bits}, folder {folder}")
     for n in lengths:
         base = [(i * 7919) % 900 + 10 for i in range(n)]
@@ -71,7 +73,7 @@ async def run(size: str, variant: str, lengths: list[int], bits: int) -> None:
         svc.bank.drop_session(sid)
         await svc.pool.close()
         await asyncio.to_thread(svc.close_cold_tier)
-        svc = await service(folder, path, bits)
+        svc = await service(folder, path, bits, dense)
         restart, s3 = await ttft(svc, "m", stored + [4], sid)
         print(f"{n:>6} tokens: cold {cold*1e3:8.1f} ms | RAM {ram*1e3:7.1f} ms "
               f"({cold/ram:5.1f}x, cached {s1.cached_tokens}) | disk {disk*1e3:7.1f} ms "
@@ -90,9 +92,11 @@ def main() -> None:
                     help="a demo variant of the model ('' for the model itself)")
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--kv-bits", type=int, nargs="+", default=[0, 8, 4])
+    ap.add_argument("--fast-decode-dense", action="store_true",
+                    help="as `serve --fast-decode-dense`")
     args = ap.parse_args()
     for bits in args.kv_bits:
-        asyncio.run(run(args.model, args.variant, args.tokens, bits))
+        asyncio.run(run(args.model, args.variant, args.tokens, bits, args.fast_decode_dense))
 
 
 if __name__ == "__main__":

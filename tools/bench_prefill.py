@@ -8,7 +8,7 @@ Models are the demo models' variants made with mlx-lm's own convert
 (`engine.demo_models.ensure_demo_variant`: `<size>-bf16`, `<size>-4bit`, `<size>-8bit`),
 or a model folder given with `--model PATH`. Each is loaded once, in this process, and its
 layers wrapped once; the two sides are the same model with the fast path switched on and
-off between runs (`FastPrefill.enabled`, and for a quantized model its float32 decode), so
+off between runs (`FastPrefill.enabled`, and its float32 decode: quantized layers, dense shapes), so
 every ratio comes from one process, one load and one run.
 
 - prefill: mlx-lm's `BatchGenerator` as the engine drives it (completion batch 32, prefill
@@ -78,10 +78,12 @@ class Sides:
     def __init__(self, plan: fast_prefill.FastPrefill) -> None:
         self.plan = plan
         self.fast_decode = plan.decode_fp32
+        self.decode_shapes = plan.decode_shapes
 
     def set(self, fast: bool) -> None:
         self.plan.enabled = fast
         self.plan.decode_fp32 = fast and self.fast_decode
+        self.plan.decode_shapes = self.decode_shapes if fast else frozenset()
 
 
 def run_once(model, ids: list[int], max_tokens: int
@@ -127,9 +129,10 @@ def admission_projection(info, plan: fast_prefill.FastPrefill, n: int) -> int:
 
 
 def bench_model(name: str, path: Path, prompts: list[int], decode_tokens: int,
-                budget_s: float) -> dict:
+                budget_s: float, decode_dense: bool = False) -> dict:
     info = load_model(str(path))
-    plan = fast_prefill.install(info.model, kv_bytes_per_token=info.kv_bytes_per_token)
+    plan = fast_prefill.install(info.model, kv_bytes_per_token=info.kv_bytes_per_token,
+                                decode_dense=decode_dense)
     log(f"{name}: {plan.summary()}")
     out: dict = {"model": name, "plan": plan.summary(), "prefill": [], "decode": None}
     if not plan.layers:
@@ -226,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="longest stock prefill run; longer prompts are measured on their "
                     "first tokens (default: %(default)s)")
     ap.add_argument("--json", type=Path, default=None, help="write the raw figures here")
+    ap.add_argument("--fast-decode-dense", action="store_true",
+                    help="as `serve --fast-decode-dense`: dense layers may decode in float32")
     args = ap.parse_args(argv)
     if fast_prefill.environment_reason() is not None:
         log(f"the fast path cannot run here: {fast_prefill.environment_reason()}")
@@ -236,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"Fast prefill vs stock — {machine_line()}; BLAS: {blas.state().summary()}; "
               f"step {STEP}, one stream")
     print(header)
-    results = [bench_model(name, path, prompts, args.decode_tokens, args.stock_budget_s)
+    results = [bench_model(name, path, prompts, args.decode_tokens, args.stock_budget_s,
+                           args.fast_decode_dense)
                for name, path in targets]
     print()
     print(fmt(results))

@@ -115,6 +115,85 @@ async def test_bf16_greedy_output_is_the_stock_paths_and_the_flag_turns_it_off(t
                              asyncio.wrap_future(stock.stop()))
 
 
+async def test_bf16_decode_through_float32_copies_keeps_the_stock_tokens(tiny_bf16):
+    """Decode rows of cache-sized dense layers (the LM head too) run on a float32 copy of
+    the weight; with the prefill left stock, greedy output is the stock path's."""
+    loop = asyncio.get_running_loop()
+    settings = EngineSettings(prefill_step_size=STEP, fast_decode="fp32",
+                              fast_decode_dense=True, fast_prefill_min_tokens=1 << 30)
+    fast = ModelEngine("fast", str(tiny_bf16), loop, settings)
+    stock = ModelEngine("stock", str(tiny_bf16), loop,
+                        EngineSettings(prefill_step_size=STEP, fast_prefill=False))
+    try:
+        facts, _ = await asyncio.gather(asyncio.wrap_future(fast.start()),
+                                        asyncio.wrap_future(stock.start()))
+        plan = fast.fast_prefill
+        head = fast.info.model.lm_head
+        assert isinstance(head, fast_prefill._FastLinear) and head._decode_only
+        assert tuple(head.weight.shape) in plan.decode_shapes
+        # Admission counts what a decode step converts: a block's copies at once.
+        block = sum(m.weight.size * 4 for _, m in fast.info.model.layers[0].named_modules()
+                    if isinstance(m, fast_prefill._FastLinear))
+        assert facts.prefill_conversion.weight_bytes == block + head.weight.size * 4
+        for i, ids in enumerate(prompts(fast.info.tokenizer)):
+            got, want = await asyncio.gather(greedy(fast, f"f{i}", ids),
+                                             greedy(stock, f"s{i}", ids))
+            assert got == want, f"prompt {i} ({len(ids)} tokens)"
+        assert plan.converted == 0  # the prefill stayed stock
+    finally:
+        await asyncio.gather(asyncio.wrap_future(fast.stop()),
+                             asyncio.wrap_future(stock.stop()))
+
+
+def test_a_decode_step_holds_no_more_than_admission_counts(tiny_bf16):
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = mlx_lm.load(str(tiny_bf16))
+    plan = fast_prefill.install(model, decode="fp32", decode_dense=True)
+    try:
+        assert plan.decode_shapes
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([[5] * 64]), cache=cache), [c.state for c in cache])
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        token = mx.array([[5]])
+        for _ in range(4):
+            token = mx.argmax(model(token, cache=cache)[:, -1, :], axis=-1, keepdims=True)
+            mx.eval(token)
+        held = mx.get_peak_memory() - base
+        # The copies, and a step's own activations and logits (a few KiB here).
+        assert held <= plan.transient.weight_bytes + (64 << 10), (held, plan.transient)
+    finally:
+        fast_prefill.uninstall(plan)
+
+
+def test_dense_decode_is_measured_per_shape_at_load(tiny_bf16):
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(tiny_bf16))
+    off = fast_prefill.install(model, decode="auto")  # the default: dense decode stock
+    try:
+        assert off.decode_shapes == frozenset()
+        assert not isinstance(model.lm_head, fast_prefill._FastLinear)
+    finally:
+        fast_prefill.uninstall(off)
+    plan = fast_prefill.install(model, decode="auto", decode_dense=True)
+    try:
+        assert "dense shapes" in plan.decode_reason
+        shapes = {tuple(m.weight.shape) for _, m in model.named_modules()
+                  if isinstance(m, fast_prefill._FastLinear)}
+        assert plan.decode_shapes <= shapes
+    finally:
+        fast_prefill.uninstall(plan)
+    assert plan.decode_shapes == frozenset()
+    stock = fast_prefill.install(model, decode="stock", decode_dense=True)
+    try:
+        assert stock.decode_shapes == frozenset()
+    finally:
+        fast_prefill.uninstall(stock)
+
+
 def test_serve_has_a_flag_that_turns_it_off():
     parser = build_parser()
     assert parser.parse_args(["serve"]).fast_prefill is True
