@@ -16,11 +16,10 @@ import time
 
 from engine.demo_models import DEMO_VARIANTS, ensure_demo_model, ensure_demo_variant
 from engine.model_engine import EngineSettings
-from engine.pool import ModelPool
 from engine.request import Chunk, SamplingParams
-from memory.config import MemoryConfig
-from service.assembly import Service, ServiceSettings
+from service.assembly import Service
 from service.generate import Admitted, GenerateSpec
+from tools.harness.in_process import close, cold_tier_service
 
 GiB = 1 << 30
 
@@ -39,13 +38,8 @@ async def ttft(svc: Service, model: str, tokens: list[int], sid: str) -> tuple[f
 
 
 async def service(folder: str, path, bits: int, dense: bool = False) -> Service:
-    pool = ModelPool(asyncio.get_running_loop(),
-                     settings=EngineSettings(fast_decode_dense=dense))
-    svc = Service(pool, ServiceSettings(session_disk_dir=folder, session_kv_bits=bits,
-                                        session_disk_min_free_bytes=0),
-                  MemoryConfig(enabled=False))
-    await pool.load(str(path), "m", default=True)
-    return svc
+    return await cold_tier_service(folder, path, "m", kv_bits=bits,
+                                   engine=EngineSettings(fast_decode_dense=dense))
 
 
 async def run(size: str, variant: str, lengths: list[int], bits: int, dense: bool) -> None:
@@ -71,8 +65,7 @@ async def run(size: str, variant: str, lengths: list[int], bits: int, dense: boo
         disk, s2 = await ttft(svc, "m", stored + [3], sid)
         # Turn 3's own snapshot would supersede the disk entry at shutdown: not kept.
         svc.bank.drop_session(sid)
-        await svc.pool.close()
-        await asyncio.to_thread(svc.close_cold_tier)
+        await close(svc)
         svc = await service(folder, path, bits, dense)
         restart, s3 = await ttft(svc, "m", stored + [4], sid)
         print(f"{n:>6} tokens: cold {cold*1e3:8.1f} ms | RAM {ram*1e3:7.1f} ms "
@@ -81,8 +74,7 @@ async def run(size: str, variant: str, lengths: list[int], bits: int, dense: boo
               f"{restart*1e3:7.1f} ms ({cold/restart:5.1f}x, disk {s3.cached_disk_tokens})")
         print(f"        snapshot {entry_bytes/2**20:.1f} MiB in RAM, {written/2**20:.1f} MiB "
               f"written per shed turn; {GiB/max(1, entry_bytes):.1f} sessions/GiB at this length")
-    await svc.pool.close()
-    await asyncio.to_thread(svc.close_cold_tier)
+    await close(svc)
 
 
 def main() -> None:

@@ -48,11 +48,9 @@ from pathlib import Path
 
 from engine.demo_models import ensure_demo_model
 from engine.model_engine import EngineSettings
-from engine.pool import ModelPool
-from engine.request import Chunk, SamplingParams
-from memory.config import MemoryConfig
-from service.assembly import Service, ServiceSettings
-from service.generate import Admitted, GenerateSpec
+from service.assembly import Service
+from service.generate import Admitted
+from tools.harness.in_process import close, cold_tier_service, greedy_turn
 
 FIRST_TOKENS = 8  # turn 1's output, part of the stored snapshot
 NEW_TOKENS = 3
@@ -96,26 +94,12 @@ def prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 async def service(folder: str, path: Path, bits: int, fast_prefill: bool = True) -> Service:
-    pool = ModelPool(asyncio.get_running_loop(), settings=EngineSettings(fast_prefill=fast_prefill))
-    svc = Service(pool, ServiceSettings(session_disk_dir=folder, session_kv_bits=bits,
-                                        session_disk_min_free_bytes=0,
-                                        session_disk_min_prefix_tokens=8),
-                  MemoryConfig(enabled=False))
-    await pool.load(str(path), "m", default=True)
-    return svc
+    return await cold_tier_service(folder, path, "m", kv_bits=bits, min_prefix_tokens=8,
+                                   engine=EngineSettings(fast_prefill=fast_prefill))
 
 
 async def turn(svc: Service, tokens: list[int], sid: str, n: int) -> tuple[Admitted, list[int]]:
-    spec = GenerateSpec(model="m", token_ids=list(tokens), max_tokens=n, ignore_eos=True,
-                        session_id=sid, sampling=SamplingParams(temperature=0.0))
-    start, out = None, []
-    async for ev in svc.pipeline.generate(spec):
-        if isinstance(ev, Admitted):
-            start = ev
-        elif isinstance(ev, Chunk):
-            out += ev.token_ids
-    assert start is not None
-    return start, out
+    return await greedy_turn(svc, "m", tokens, sid, n)
 
 
 async def greedy(path: Path, bits: int, cases: list[list[int]], gen: int, fast_prefill: bool
@@ -154,8 +138,7 @@ async def _greedy(folder: str, path: Path, bits: int, cases: list[list[int]], ge
             svc.bank.drop_session(sid)
             svc.cold.drop_session(sid)
     finally:
-        await svc.pool.close()
-        await asyncio.to_thread(svc.close_cold_tier)
+        await close(svc)
     return ram, disk, distinct, pairs
 
 

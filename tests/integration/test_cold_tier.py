@@ -11,43 +11,27 @@ import random
 
 import pytest
 
-from engine.pool import ModelPool
-from engine.request import Chunk, SamplingParams
-from memory.config import MemoryConfig
 from memory.plans import spill
 from plimsoll.v1 import control_pb2, inference_pb2
-from service.assembly import Service, ServiceSettings
-from service.generate import Admitted, GenerateSpec
+from service.assembly import Service
+from service.generate import Admitted
 from telemetry import names
+from tools.harness.in_process import close, cold_tier_service, greedy_turn
 from tools.harness.server import serving
 
 
 async def turn(svc: Service, tokens: list[int], sid: str, n: int = 8
                ) -> tuple[Admitted, list[int]]:
-    spec = GenerateSpec(model="tiny", token_ids=list(tokens), max_tokens=n, ignore_eos=True,
-                        session_id=sid, sampling=SamplingParams(temperature=0.0))
-    start, out = None, []
-    async for ev in svc.pipeline.generate(spec):
-        if isinstance(ev, Admitted):
-            start = ev
-        elif isinstance(ev, Chunk):
-            out += ev.token_ids
-    return start, out
+    return await greedy_turn(svc, "tiny", tokens, sid, n)
 
 
 async def service(folder, demo_path, kv_bits: int = 0, min_prefix: int = 8) -> Service:
-    pool = ModelPool(asyncio.get_running_loop())
-    svc = Service(pool, ServiceSettings(session_disk_dir=str(folder), session_kv_bits=kv_bits,
-                                        session_disk_min_free_bytes=0,
-                                        session_disk_min_prefix_tokens=min_prefix),
-                  MemoryConfig(enabled=False))
-    await pool.load(str(demo_path), "tiny", default=True)
-    return svc
+    return await cold_tier_service(folder, demo_path, "tiny", kv_bits=kv_bits,
+                                   min_prefix_tokens=min_prefix)
 
 
 async def stop(svc: Service) -> None:
-    await svc.pool.close()
-    await asyncio.to_thread(svc.close_cold_tier)
+    await close(svc)
 
 
 def random_tokens(seed: int, n: int) -> list[int]:
