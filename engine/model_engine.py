@@ -107,6 +107,7 @@ class _Live:
     sent: int = 0  # token ids released to the client (completion_tokens)
     prefilled: int = 0  # prompt tokens processed so far (cached ones excluded)
     stop_token: int | None = None  # the stop id (or EOS) that ended it
+    sent_first_early: bool = False  # its first token went out before mlx-lm returned it
 
 
 @dataclass(frozen=True)
@@ -586,25 +587,17 @@ class ModelEngine:
 
     def _publish_step(self, gen, responses, live, by_id, outbox) -> None:
         now = time.monotonic()
-        eos_ids = self.info.tokenizer.eos_token_ids
         finished: list[_Live] = []
         text_stopped: list[int] = []  # still in the batch: BatchGenerator did not stop them
         for r in responses:
             item = live.get(r.uid)
             if item is None:
                 continue
-            item.generated += 1
-            if item.first_token_at is None:
-                item.first_token_at = now
-                self._urgent = True  # time to first token is never held back
-            req = item.request
-            is_eos = r.finish_reason == "stop" and (
-                r.token in req.stop_token_ids or (r.token in eos_ids and not req.ignore_eos))
-            if is_eos:
-                item.stop_token = r.token
-            # Ids go out only with their text, and neither holds a stop string's tokens
-            # nor the end-of-sequence token (engine/textstream.py has the rule).
-            pieces = [] if is_eos else item.text.add(r.token)
+            if item.sent_first_early:  # this is the token _publish_first_tokens sent
+                item.sent_first_early = False
+                is_eos, pieces = False, []
+            else:
+                is_eos, pieces = self._take_token(item, r.token, now)
             stopped_by_text = item.text.stopped
             reason = None
             if stopped_by_text or r.finish_reason == "stop":
@@ -617,14 +610,12 @@ class ModelEngine:
                 pieces += item.text.finish()
                 if item.text.stopped:  # the flushed tail completed a stop string
                     reason = FinishReason.STOP
-            for piece in pieces:
-                item.sent += len(piece.token_ids)
-                outbox.append((item.sink, Chunk(piece.token_ids, piece.text)))
+            self._send_pieces(item, pieces, outbox)
             if reason is not None:
                 outbox.append((item.sink, self._finished(item, reason, now)))
                 finished.append(item)
                 if self._on_finish is not None and r.prompt_cache is not None:
-                    self._store(req, r.prompt_cache, r.all_tokens or [])
+                    self._store(item.request, r.prompt_cache, r.all_tokens or [])
         if finished:
             if text_stopped:
                 gen.remove(text_stopped)
@@ -632,6 +623,58 @@ class ModelEngine:
                 live.pop(f.uid, None)
                 by_id.pop(f.request.request_id, None)
         self._refresh_stats(live)
+
+    def _take_token(self, item: _Live, token: int, now: float) -> tuple[bool, list]:
+        """Count one sampled token; return whether it is the end-of-sequence (or a stop
+        id) and the text pieces it releases."""
+        item.generated += 1
+        if item.first_token_at is None:
+            item.first_token_at = now
+            self._urgent = True  # time to first token is never held back
+        req = item.request
+        is_eos = self._is_stop_id(req, token)
+        if is_eos:
+            item.stop_token = token
+        # Ids go out only with their text, and neither holds a stop string's tokens
+        # nor the end-of-sequence token (engine/textstream.py has the rule).
+        return is_eos, [] if is_eos else item.text.add(token)
+
+    def _is_stop_id(self, req: GenerationRequest, token: int) -> bool:
+        return token in req.stop_token_ids or (
+            token in self.info.tokenizer.eos_token_ids and not req.ignore_eos)
+
+    @staticmethod
+    def _send_pieces(item: _Live, pieces: list, outbox: list) -> None:
+        for piece in pieces:
+            item.sent += len(piece.token_ids)
+            outbox.append((item.sink, Chunk(piece.token_ids, piece.text)))
+
+    def _publish_first_tokens(self, gen, live, outbox) -> None:
+        """Send the first token of each sequence that just left prefill, now.
+
+        mlx-lm returns a sequence's first token from the *next* `next()`, after it has
+        queued the decode step that follows; on MLX's CPU backend queueing a whole
+        forward pass runs most of it, so waiting costs time to first token one decode
+        step. The token is already sampled: read it and send it. A stop id stays for the
+        normal path (it carries the finish), and the later response is not sent twice.
+        """
+        batch = getattr(gen, "_generation_batch", None)
+        upcoming = getattr(batch, "_next_tokens", None)
+        if upcoming is None:
+            return
+        fresh = [(pos, item) for pos, uid in enumerate(batch.uids)
+                 if (item := live.get(uid)) is not None and item.first_token_at is None]
+        if not fresh:
+            return
+        tokens = upcoming.tolist()
+        now = time.monotonic()
+        for pos, item in fresh:
+            token = tokens[pos]
+            if self._is_stop_id(item.request, token):
+                continue
+            _, pieces = self._take_token(item, token, now)
+            item.sent_first_early = True
+            self._send_pieces(item, pieces, outbox)
 
     def _store(self, req: GenerationRequest, cache: list[Any], tokens: list[int]) -> None:
         """The finish hook, within the store gate's cap; a full gate skips the store."""
@@ -655,6 +698,7 @@ class ModelEngine:
         prompt_responses, responses = gen.next()
         self._track_prefill(prompt_responses, live, planned, active_before)
         self._publish_step(gen, responses, live, by_id, outbox)
+        self._publish_first_tokens(gen, live, outbox)
 
     def _reset_batch(self, gen, live, by_id, outbox, exc: Exception) -> BatchGenerator:
         """A failed step leaves the batch in an unknown state: end its requests with a

@@ -28,13 +28,15 @@ async def ttft(svc: Service, model: str, tokens: list[int], sid: str) -> tuple[f
     spec = GenerateSpec(model=model, token_ids=tokens, max_tokens=1, ignore_eos=True,
                         session_id=sid, sampling=SamplingParams(temperature=0.0))
     t0 = time.perf_counter()
-    start = None
+    start, first = None, None
+    # Read to the end: a request the client leaves early is cancelled, and a cancelled
+    # turn stores no snapshot.
     async for ev in svc.pipeline.generate(spec):
         if isinstance(ev, Admitted):
             start = ev
-        elif isinstance(ev, Chunk):
-            return time.perf_counter() - t0, start
-    return time.perf_counter() - t0, start
+        elif isinstance(ev, Chunk) and first is None:
+            first = time.perf_counter() - t0
+    return (first if first is not None else time.perf_counter() - t0), start
 
 
 async def service(folder: str, path, bits: int, dense: bool = False) -> Service:
