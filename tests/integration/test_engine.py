@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from mlx_lm.generate import BatchGenerator
 
 from engine.errors import Internal, Unavailable
 from engine.model_engine import ModelEngine
-from engine.request import Failed, Finished, GenerationRequest
+from engine.request import Chunk, Failed, Finished, GenerationRequest
 
 
 async def run(engine: ModelEngine, rid: str) -> list:
@@ -49,3 +50,67 @@ async def test_a_failed_step_ends_its_requests_and_the_engine_keeps_serving(
         await asyncio.wrap_future(engine.stop())
     with pytest.raises(Unavailable):
         engine.submit(GenerationRequest("c", "tiny", [1]), asyncio.Queue())
+
+
+async def test_the_first_token_goes_out_before_the_next_decode_step_runs(
+        demo_path, monkeypatch):
+    """mlx-lm hands back a sequence's first token only from the step after it is
+    sampled; the engine sends it at once. The step after is held here until the first
+    chunk has arrived, so a first token that waits for that step times out."""
+    engine = ModelEngine("tiny", str(demo_path), asyncio.get_running_loop())
+    await asyncio.wrap_future(engine.start())
+    real_next = BatchGenerator.next
+    release = threading.Event()
+
+    def held_next(self):
+        if len(self._generation_batch) > 0:  # a sequence is decoding: its token is out
+            release.wait(20)
+        return real_next(self)
+
+    monkeypatch.setattr(BatchGenerator, "next", held_next)
+    sink: asyncio.Queue = asyncio.Queue()
+    try:
+        engine.submit(GenerationRequest("a", "tiny", [5, 6, 7], max_tokens=4,
+                                        ignore_eos=True), sink)
+        first = await asyncio.wait_for(sink.get(), 10)
+        assert isinstance(first, Chunk) and len(first.token_ids) == 1
+        release.set()
+        events = [first]
+        while not isinstance(events[-1], Finished | Failed):
+            events.append(await asyncio.wait_for(sink.get(), 30))
+        # Sent once: the step's own response for that token adds nothing.
+        ids = [t for e in events if isinstance(e, Chunk) for t in e.token_ids]
+        assert len(ids) == 4 and events[-1].completion_tokens == 4
+    finally:
+        release.set()
+        await asyncio.wrap_future(engine.stop())
+
+
+async def test_an_early_first_token_leaves_the_output_unchanged(demo_path):
+    """Greedy output with the first token sent early equals the batch's own sequence:
+    compared with mlx-lm's BatchGenerator driven directly."""
+    engine = ModelEngine("tiny", str(demo_path), asyncio.get_running_loop())
+    info = await asyncio.wrap_future(engine.start())
+    prompt = [5, 6, 7, 8, 9]
+    try:
+        sink: asyncio.Queue = asyncio.Queue()
+        engine.submit(GenerationRequest("a", "tiny", prompt, max_tokens=6,
+                                        ignore_eos=True), sink)
+        events = []
+        while not events or not isinstance(events[-1], Finished | Failed):
+            events.append(await asyncio.wait_for(sink.get(), 30))
+        ours = [t for e in events if isinstance(e, Chunk) for t in e.token_ids]
+
+        def direct() -> list[int]:
+            gen = BatchGenerator(engine.info.model)
+            gen.insert([prompt], max_tokens=[6])
+            out: list[int] = []
+            while len(out) < 6:
+                out += [r.token for r in gen.next()[1]]
+            gen.close()
+            return out
+
+        assert ours == await asyncio.wrap_future(engine.call(direct))
+    finally:
+        await asyncio.wrap_future(engine.stop())
+    assert info is not None
