@@ -16,8 +16,13 @@ converts ONE LAYER AT A TIME into float32:
   through BLAS, its softmax in NumPy (MLX's CPU exp is scalar), rounding the scores and
   weights to the model's dtype where MLX's own half-precision attention rounds them.
 
-What stays on MLX's kernels: RMSNorm, RoPE and the MLP's activation (elementwise: after
-the change they take a fifth to a third of a prefill, see docs/benchmarks.md).
+What stays on MLX's kernels: RMSNorm, RoPE and, in half precision, the MLP's activation
+(elementwise: after the change they take a fifth to a third of a prefill, see
+docs/benchmarks.md).
+
+A float32 model's products already run through BLAS, so none of its layers is wrapped;
+its prefill chunks take the same NumPy attention, and SwiGLU in NumPy too (MLX's CPU
+sigmoid is as slow as its exp): 1.35-2x faster prefill on the demo models.
 
 Decode steps (one token per sequence) take the stock path, except that a quantized model
 may decode through `quantized_matmul` on float32 activations and scales (MLX's float32
@@ -36,7 +41,8 @@ every prefill's projection, and its float32 sums flip more near-tied greedy choi
 the stock bfloat16 kernels (docs/benchmarks.md).
 
 It applies only where it wins: Linux, MLX on the CPU, an optimized BLAS loaded ahead of
-MLX, half-precision or quantized layers, and a chunk of at least `min_tokens` rows. The
+MLX, half-precision, quantized or float32 layers, and a chunk of at least `min_tokens`
+rows. The
 memory it adds is described by `memory.chunking.ConversionTransient`, computed once from
 the model's layers, and counted by admission's projection and the prefill guard.
 
@@ -63,12 +69,17 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models import activations as _mlx_activations
 from mlx_lm.models import base as _mlx_base
 
 from engine import blas
 from memory.chunking import ConversionTransient
 
 HALF = (mx.bfloat16, mx.float16)
+# The dtypes whose prefill chunks take this module's attention (and, float32 only, its
+# activation): a float32 model's products already run through BLAS, its elementwise
+# kernels do not.
+PREFILL_DTYPES = (*HALF, mx.float32)
 F32_BYTES = 4
 # Rows (tokens x sequences) from which a prefill chunk converts its layers. At 16 rows the
 # float32 path wins on every shape measured (512x1536 to 4096x4096, bf16 and 4-bit).
@@ -110,6 +121,7 @@ class FastPrefill:
     transient: ConversionTransient = field(default_factory=ConversionTransient)
     decode_ms: tuple[float, float] | None = None  # (stock, fp32) on the largest layer
     converted: int = 0  # layer products run in float32 (the engine thread counts them)
+    in_numpy: int = 0  # attention and SwiGLU passes run in NumPy (likewise)
     # The wrapped layers, weakly: a plan kept after its model went never keeps it alive.
     wrapped: list[weakref.ref] = field(default_factory=list, repr=False)
 
@@ -124,6 +136,11 @@ class FastPrefill:
         _thread.plan = self
 
     def summary(self) -> str:
+        if self.dtype == "float32":
+            state = "on" if self.enabled else "off"
+            return (f"fast prefill {state} ({self.reason}): float32 model, attention and "
+                    f"activation of chunks from {self.min_tokens} tokens in NumPy; "
+                    f"decode {self.decode_reason}")
         if not self.layers:
             return f"fast prefill off ({self.reason})"
         state = "on" if self.enabled else "off"
@@ -247,7 +264,7 @@ _stock_sdpa: Callable[..., mx.array] = _mlx_base.scaled_dot_product_attention
 def _prefill_plan(x: mx.array, rows_axis: int) -> FastPrefill | None:
     """The bound thread's plan when `x` belongs to a prefill chunk, else None."""
     plan: FastPrefill | None = getattr(_thread, "plan", None)
-    if plan is None or not plan.enabled or x.dtype not in HALF or x.ndim < 3:
+    if plan is None or not plan.enabled or x.dtype not in PREFILL_DTYPES or x.ndim < 3:
         return None
     tokens = x.shape[rows_axis]
     if tokens < 2 or x.shape[0] * tokens < plan.min_tokens:
@@ -263,7 +280,9 @@ _BLOCK_ELEMENTS = 1 << 16
 def _round_half(a: np.ndarray, dtype: mx.Dtype, tmp: np.ndarray) -> None:
     """Rounds a contiguous float32 array, in place, to the nearest `dtype` (bf16/fp16)
     value: where the stock path holds a half-precision intermediate, so does this one.
-    `tmp`: uint32 scratch of at least `a.size` elements."""
+    `tmp`: uint32 scratch of at least `a.size` elements. A float32 model: nothing."""
+    if dtype == mx.float32:
+        return
     if dtype == mx.float16:
         np.copyto(a, a.astype(np.float16))
         return
@@ -348,7 +367,7 @@ def _numpy_mask_ok(mask: Any, q: mx.array, s_len: int) -> bool:
 def _sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
     """mlx-lm's attention; a prefill chunk on a bound thread runs it in float32."""
     if (queries.ndim != 4 or hasattr(cache, "bits") or kwargs
-            or _prefill_plan(queries, 2) is None):
+            or (plan := _prefill_plan(queries, 2)) is None):
         return _stock_sdpa(queries, keys, values, cache, scale, mask, sinks, **kwargs)
     f32 = mx.float32
     k, v = keys.astype(f32), values.astype(f32)
@@ -358,6 +377,7 @@ def _sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
             and _numpy_mask_ok(mask, queries, keys.shape[2])):
         # The scaling in the queries' dtype, as MLX's own attention does it.
         q = (queries * mx.array(scale, dtype=queries.dtype)).astype(f32)
+        plan.in_numpy += 1
         out = _attention_f32(q, k, v, mask, queries.dtype)
     else:
         q = queries.astype(f32)
@@ -366,12 +386,50 @@ def _sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
     return out.astype(queries.dtype)
 
 
-_PATCHES = (("scaled_dot_product_attention", _stock_sdpa, _sdpa),)
+# -- the MLP's activation (float32 models) ---------------------------------------------
+#
+# MLX's CPU sigmoid runs at ~60 M elements/s, so in a float32 prefill chunk SwiGLU over
+# (chunk x intermediate) takes as long as a product. NumPy's exp is ~20x faster. Half
+# precision keeps MLX's kernel: its bfloat16 sigmoid rounds in its own way (a NumPy one
+# differs in ~12 % of elements by a unit in the last place), and those models' output
+# must stay the stock path's.
+
+_stock_swiglu: Callable[[mx.array, mx.array], mx.array] = _mlx_activations.swiglu
+
+
+def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """mlx-lm's `silu(gate) * x`; a float32 prefill chunk on a bound thread runs it in
+    NumPy, a block of rows at a time (the same float32 maths; NumPy's exp against
+    MLX's: max relative difference ~1e-6)."""
+    if (gate.dtype != mx.float32 or x.dtype != mx.float32 or gate.shape != x.shape
+            or (plan := _prefill_plan(gate, -2)) is None):
+        return _stock_swiglu(gate, x)
+    plan.in_numpy += 1
+    mx.eval(gate, x)
+    width = gate.shape[-1]
+    g = np.asarray(gate).reshape(-1, width)
+    u = np.asarray(x).reshape(-1, width)
+    out = np.empty_like(g)
+    rows = max(1, _BLOCK_ELEMENTS // width)
+    for i in range(0, g.shape[0], rows):
+        t, gb = out[i:i + rows], g[i:i + rows]
+        np.negative(gb, out=t)
+        np.exp(t, out=t)
+        t += 1
+        np.reciprocal(t, out=t)  # sigmoid(g)
+        t *= gb
+        t *= u[i:i + rows]
+    return mx.array(out.reshape(gate.shape))
+
+
+_PATCHES = (("scaled_dot_product_attention", _stock_sdpa, _sdpa),
+            ("swiglu", _stock_swiglu, _swiglu))
 
 
 def _patch_modules(model: nn.Module) -> int:
-    """Points the model's modules' `scaled_dot_product_attention` at `_sdpa`; idempotent.
-    Outside a bound thread's prefill chunk it is mlx-lm's own."""
+    """Points the model's modules' `scaled_dot_product_attention` at `_sdpa` and their
+    `swiglu` at `_swiglu`; idempotent. Outside a bound thread's prefill chunk each is
+    mlx-lm's own."""
     names = {type(model).__module__}
     names.update(type(m).__module__ for _, m in model.named_modules())
     patched = 0
@@ -606,7 +664,11 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
         return FastPrefill(False, why)
     layers = _candidates(model)
     if not layers:
-        return FastPrefill(False, "no bfloat16, float16 or quantized layers in model.layers")
+        dense32 = _float32_layers(model)
+        if not dense32:
+            return FastPrefill(False, "no bfloat16, float16, float32 or quantized layers "
+                               "in model.layers")
+        return _install_float32(model, dense32, max(2, min_tokens))
     blocks = list(getattr(model, "layers", ()))
     plan = FastPrefill(
         True, f"{blas.state().name} BLAS on a Linux CPU", min_tokens=max(2, min_tokens),
@@ -645,6 +707,31 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
         plan.decode_reason = (dense if plan.decode_reason.startswith("stock (dense")
                               else f"{plan.decode_reason}; {dense}")
         _with_decode_weight(plan, blocks, heads)
+    return plan
+
+
+def _float32_layers(model: nn.Module) -> list[nn.Module]:
+    """The float32 Linear layers of the transformer blocks (a float32 model)."""
+    found = []
+    for block in getattr(model, "layers", None) or ():
+        if isinstance(block, nn.Module):
+            found += [m for _, m in block.named_modules()
+                      if type(m) is nn.Linear and m["weight"].dtype == mx.float32]
+    return found
+
+
+def _install_float32(model: nn.Module, dense: list[nn.Module], min_tokens: int
+                     ) -> FastPrefill:
+    """A float32 model: its products already run through BLAS, so no layer is wrapped
+    or converted; only attention and SwiGLU of prefill chunks run in NumPy. What that
+    adds over the stock path is one activation-sized float32 array per chunk token."""
+    widest = max(o + i for o, i in (_shape(m) for m in dense))
+    plan = FastPrefill(
+        True, f"{blas.state().name} BLAS on a Linux CPU", min_tokens=min_tokens,
+        dtype="float32", decode_reason="stock (float32 products use BLAS already)",
+        transient=ConversionTransient(0, 2 * widest * F32_BYTES, 0))
+    _patch_modules(model)
+    plan.bind_thread()
     return plan
 
 

@@ -68,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-step-size", type=int, default=512,
                    help="prompt tokens processed per step (default: %(default)s)")
     s.add_argument("--no-fast-prefill", dest="fast_prefill", action="store_false",
-                   help="prefill bf16/fp16/quantized models with MLX's own kernels instead "
-                   "of converting one layer at a time to float32 for the optimized BLAS "
-                   "(Linux CPU; see engine/fast_prefill.py)")
+                   help="prefill with MLX's own kernels only: no conversion of bf16/fp16/"
+                   "quantized layers to float32 for the optimized BLAS, one at a time, and "
+                   "no NumPy attention or SwiGLU (Linux CPU; see engine/fast_prefill.py)")
     s.add_argument("--fast-decode-dense", action="store_true",
                    help="decode the cache-sized layers of bf16/fp16 models through float32 "
                    "copies and the optimized BLAS where that measures faster at load (2-2.5x "

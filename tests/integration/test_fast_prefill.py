@@ -115,6 +115,63 @@ async def test_bf16_greedy_output_is_the_stock_paths_and_the_flag_turns_it_off(t
                              asyncio.wrap_future(stock.stop()))
 
 
+async def test_fp32_greedy_output_is_the_stock_paths_with_numpy_elementwise(demo_path):
+    """A float32 model (the default demo model): nothing is wrapped or converted, but
+    attention and SwiGLU of its prefill chunks run in NumPy; greedy output is the stock
+    path's, and `--no-fast-prefill` leaves every kernel MLX's."""
+    loop = asyncio.get_running_loop()
+    fast = ModelEngine("fast", str(demo_path), loop, EngineSettings(prefill_step_size=STEP))
+    stock = ModelEngine("stock", str(demo_path), loop,
+                        EngineSettings(prefill_step_size=STEP, fast_prefill=False))
+    try:
+        fast_facts, stock_facts = await asyncio.gather(
+            asyncio.wrap_future(fast.start()), asyncio.wrap_future(stock.start()))
+        plan = fast.fast_prefill
+        assert plan is not None and plan.enabled and plan.dtype == "float32"
+        assert "float32 model" in plan.summary() and plan.layers == 0
+        # One activation-sized float32 array per chunk token; no weight is converted.
+        assert fast_facts.prefill_conversion == plan.transient
+        assert plan.transient.weight_bytes == 0 and plan.transient.chunk_token_bytes > 0
+        assert stock_facts.prefill_conversion is None
+        wrapped = (fast_prefill._FastLinear, fast_prefill._FastQuantizedLinear)
+        assert not any(isinstance(m, wrapped) for _, m in fast.info.model.named_modules())
+        for i, ids in enumerate(prompts(fast.info.tokenizer)):
+            before, stock_before = plan.in_numpy, stock.fast_prefill.in_numpy
+            got, want = await asyncio.gather(greedy(fast, f"f{i}", ids),
+                                             greedy(stock, f"s{i}", ids))
+            assert plan.in_numpy > before  # the prefill's elementwise parts ran in NumPy
+            assert stock.fast_prefill.in_numpy == stock_before
+            assert got == want, f"prompt {i} ({len(ids)} tokens)"
+    finally:
+        await asyncio.gather(asyncio.wrap_future(fast.stop()),
+                             asyncio.wrap_future(stock.stop()))
+
+
+def test_fp32_logits_stay_within_a_millionth_of_the_stock_path(demo_path):
+    """NumPy's exp against MLX's: the last position's logits of a long prompt."""
+    info = load_model(str(demo_path))
+    model = info.model
+    ids = mx.array([prompts(info.tokenizer)[-1]])
+
+    def logits() -> mx.array:
+        out = model(ids, cache=make_prompt_cache(model))[0, -1]
+        mx.eval(out)
+        return out
+
+    stock = logits()
+    plan = fast_prefill.install(model)
+    try:
+        assert plan.dtype == "float32"
+        fast = logits()
+        assert plan.in_numpy > 0
+    finally:
+        fast_prefill.uninstall(plan)
+    diff = mx.abs(fast - stock).max().item()
+    scale = mx.abs(stock).max().item()
+    assert diff <= 1e-5 * max(1.0, scale), (diff, scale)
+    assert mx.argmax(fast).item() == mx.argmax(stock).item()
+
+
 async def test_bf16_decode_through_float32_copies_keeps_the_stock_tokens(tiny_bf16):
     """Decode rows of cache-sized dense layers (the LM head too) run on a float32 copy of
     the weight; with the prefill left stock, greedy output is the stock path's."""
