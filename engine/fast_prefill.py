@@ -275,6 +275,8 @@ def _prefill_plan(x: mx.array, rows_axis: int) -> FastPrefill | None:
 # Rows of scores per NumPy pass: every pass of the softmax runs on a block that stays in
 # the CPU's cache (~256 KiB of float32), which makes it ~3x faster than whole-array passes.
 _BLOCK_ELEMENTS = 1 << 16
+# Queries per block of a causal chunk's attention (`_attention_f32`).
+CAUSAL_ROWS = 256
 
 
 def _round_half(a: np.ndarray, dtype: mx.Dtype, tmp: np.ndarray) -> None:
@@ -323,7 +325,34 @@ def _attention_f32(q: mx.array, k: mx.array, v: mx.array, mask: Any,
     keys and values: the products through BLAS, the softmax in NumPy, in place, a block
     of rows at a time. The scores and the weights are rounded to `half` where MLX's own
     half-precision attention rounds them, so the two differ only by the products'
-    summation order (and NumPy's exp against MLX's)."""
+    summation order (and NumPy's exp against MLX's).
+
+    A causal chunk is taken `CAUSAL_ROWS` queries at a time, each block with only the
+    keys up to its last query: the hidden upper triangle is neither multiplied nor
+    exponentiated (half the work of a long chunk), and each block's scores are freed
+    before the next block's are made."""
+    n, s_len = q.shape[2], k.shape[2]
+    if not (isinstance(mask, str) and n > CAUSAL_ROWS):
+        return _attend(q, k, v, mask, half, s_len - n)
+    b, h, _, d = q.shape
+    kv = k.shape[1]
+    offset = s_len - n  # keys already in the cache: every query sees them all
+    groups = q.reshape(b, kv, h // kv, n, d)
+    outs = []
+    for r0 in range(0, n, CAUSAL_ROWS):
+        r1 = min(n, r0 + CAUSAL_ROWS)
+        end = offset + r1
+        block = groups[:, :, :, r0:r1].reshape(b, h, r1 - r0, d)
+        out = _attend(block, k[:, :, :end], v[:, :, :end], mask, half, offset + r0)
+        mx.eval(out)
+        outs.append(out)
+    return mx.concatenate(outs, axis=2)
+
+
+def _attend(q: mx.array, k: mx.array, v: mx.array, mask: Any, half: mx.Dtype,
+            first: int) -> mx.array:
+    """`_attention_f32` over all of `k` for queries at positions `first`.. of the keys
+    (a causal mask hides key j from query i when j > first + i)."""
     b, h, n, d = q.shape
     kv, s_len = k.shape[1], k.shape[2]
     rep = h // kv
@@ -333,8 +362,8 @@ def _attention_f32(q: mx.array, k: mx.array, v: mx.array, mask: Any,
     s = np.array(scores, copy=False).reshape(b, kv, rep, n, s_len)
     hidden: np.ndarray | None = None  # (B | 1, L, S): True where a key is hidden
     additive = False
-    if isinstance(mask, str):  # "causal": query i sees keys up to i + (S - L)
-        hidden = (np.arange(s_len)[None, :] > np.arange(s_len - n, s_len)[:, None])[None]
+    if isinstance(mask, str):  # "causal"
+        hidden = (np.arange(s_len)[None, :] > np.arange(first, first + n)[:, None])[None]
     elif mask is not None:
         m = np.array(mask, copy=False)
         # (L, S), (1, L, S) or (B | 1, 1, L, S) (`_numpy_mask_ok`).

@@ -135,7 +135,7 @@ def bench_model(name: str, path: Path, prompts: list[int], decode_tokens: int,
                                 decode_dense=decode_dense)
     log(f"{name}: {plan.summary()}")
     out: dict = {"model": name, "plan": plan.summary(), "prefill": [], "decode": None}
-    if not plan.layers:
+    if not plan.enabled:
         return out
     sides = Sides(plan)
     model = info.model

@@ -120,9 +120,10 @@ async def test_fp32_greedy_output_is_the_stock_paths_with_numpy_elementwise(demo
     attention and SwiGLU of its prefill chunks run in NumPy; greedy output is the stock
     path's, and `--no-fast-prefill` leaves every kernel MLX's."""
     loop = asyncio.get_running_loop()
-    fast = ModelEngine("fast", str(demo_path), loop, EngineSettings(prefill_step_size=STEP))
-    stock = ModelEngine("stock", str(demo_path), loop,
-                        EngineSettings(prefill_step_size=STEP, fast_prefill=False))
+    # The default step: the long prompt's first chunk (512 tokens) takes attention's
+    # causal blocks (fast_prefill.CAUSAL_ROWS).
+    fast = ModelEngine("fast", str(demo_path), loop, EngineSettings())
+    stock = ModelEngine("stock", str(demo_path), loop, EngineSettings(fast_prefill=False))
     try:
         fast_facts, stock_facts = await asyncio.gather(
             asyncio.wrap_future(fast.start()), asyncio.wrap_future(stock.start()))
@@ -170,6 +171,30 @@ def test_fp32_logits_stay_within_a_millionth_of_the_stock_path(demo_path):
     scale = mx.abs(stock).max().item()
     assert diff <= 1e-5 * max(1.0, scale), (diff, scale)
     assert mx.argmax(fast).item() == mx.argmax(stock).item()
+
+
+@pytest.mark.parametrize("half", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("cached", [0, 100])
+def test_causal_blocks_give_the_whole_chunks_attention(half, cached):
+    """A causal chunk longer than CAUSAL_ROWS is attended a block of queries at a time,
+    each with only the keys it may see: the same result as the whole chunk at once, with
+    keys already in the cache or not."""
+    n = 2 * fast_prefill.CAUSAL_ROWS + 37
+    mx.random.seed(7)
+    q = mx.random.normal((1, 4, n, 16)) * 0.25
+    k = mx.random.normal((1, 2, cached + n, 16))
+    v = mx.random.normal((1, 2, cached + n, 16))
+    blocks = fast_prefill._attention_f32(q, k, v, "causal", half)
+    whole = fast_prefill._attend(q, k, v, "causal", half, cached)
+    assert blocks.shape == whole.shape == (1, 4, n, 16)
+    # float32: summation order only. bfloat16: the scores and weights are rounded, so a
+    # last-bit difference in a score may move a weight by one bfloat16 step (2^-8).
+    tol = 1e-5 if half == mx.float32 else 2 ** -8
+    assert mx.abs(blocks - whole).max().item() <= tol
+    # And it is attention: the stock float32 kernel agrees on the unrounded case.
+    if half == mx.float32:
+        stock = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask="causal")
+        assert mx.abs(blocks - stock).max().item() <= 1e-4
 
 
 async def test_bf16_decode_through_float32_copies_keeps_the_stock_tokens(tiny_bf16):
