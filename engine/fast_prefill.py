@@ -21,8 +21,9 @@ What stays on MLX's kernels: RMSNorm, RoPE and, in half precision, the MLP's act
 docs/benchmarks.md).
 
 A float32 model's products already run through BLAS, so none of its layers is wrapped;
-its prefill chunks take the same NumPy attention, and SwiGLU in NumPy too (MLX's CPU
-sigmoid is as slow as its exp): 1.35-2x faster prefill on the demo models.
+its prefill chunks of at least `FLOAT32_MIN_TOKENS` rows take the same NumPy attention,
+and SwiGLU in NumPy too (MLX's CPU sigmoid is as slow as its exp): 1.2-2x faster prefill
+on the demo models.
 
 Decode steps (one token per sequence) take the stock path, except that a quantized model
 may decode through `quantized_matmul` on float32 activations and scales (MLX's float32
@@ -84,6 +85,10 @@ F32_BYTES = 4
 # Rows (tokens x sequences) from which a prefill chunk converts its layers. At 16 rows the
 # float32 path wins on every shape measured (512x1536 to 4096x4096, bf16 and 4-bit).
 DEFAULT_MIN_TOKENS = 16
+# A float32 model's chunks take the NumPy attention and SwiGLU from this many rows: below
+# it the evaluations they need cost more than MLX's own kernels save (the tiny demo model,
+# 32 tokens: 8.5 ms against 2.2-3.5 stock; from 128 tokens 1.5x faster).
+FLOAT32_MIN_TOKENS = 128
 # The float32 decode of a quantized model is chosen when it takes under this fraction of
 # the stock time on the model's largest layer.
 DECODE_MARGIN = 0.8
@@ -440,14 +445,15 @@ def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
     u = np.asarray(x).reshape(-1, width)
     out = np.empty_like(g)
     rows = max(1, _BLOCK_ELEMENTS // width)
-    for i in range(0, g.shape[0], rows):
-        t, gb = out[i:i + rows], g[i:i + rows]
-        np.negative(gb, out=t)
-        np.exp(t, out=t)
-        t += 1
-        np.reciprocal(t, out=t)  # sigmoid(g)
-        t *= gb
-        t *= u[i:i + rows]
+    with np.errstate(over="ignore"):  # exp(-g) = inf for g < -88: sigmoid 0, as MLX's
+        for i in range(0, g.shape[0], rows):
+            t, gb = out[i:i + rows], g[i:i + rows]
+            np.negative(gb, out=t)
+            np.exp(t, out=t)
+            t += 1
+            np.reciprocal(t, out=t)  # sigmoid(g)
+            t *= gb
+            t *= u[i:i + rows]
     return mx.array(out.reshape(gate.shape))
 
 
@@ -697,7 +703,7 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
         if not dense32:
             return FastPrefill(False, "no bfloat16, float16, float32 or quantized layers "
                                "in model.layers")
-        return _install_float32(model, dense32, max(2, min_tokens))
+        return _install_float32(model, dense32, max(FLOAT32_MIN_TOKENS, min_tokens))
     blocks = list(getattr(model, "layers", ()))
     plan = FastPrefill(
         True, f"{blas.state().name} BLAS on a Linux CPU", min_tokens=max(2, min_tokens),

@@ -273,6 +273,9 @@ class ModelEngine:
         self._outbox: list[tuple[asyncio.Queue, Event]] = []
         self._urgent = False
         self._last_delivery = 0.0
+        # MLX on the CPU: a queued decode step runs before the next token can be read
+        # (`_publish_first_tokens`); on an accelerator the wait does not exist. Set at load.
+        self._early_first_token = False
 
     # -- called from any thread -------------------------------------------------
     def start(self) -> concurrent.futures.Future[ModelFacts]:
@@ -386,6 +389,7 @@ class ModelEngine:
     # -- the engine thread ----------------------------------------------------------
     def _run(self) -> None:
         self._device = _device_limit()
+        self._early_first_token = mx.default_device().type == mx.DeviceType.cpu
         before = mx.get_active_memory()
         try:
             info = self._load()
@@ -657,7 +661,11 @@ class ModelEngine:
         forward pass runs most of it, so waiting costs time to first token one decode
         step. The token is already sampled: read it and send it. A stop id stays for the
         normal path (it carries the finish), and the later response is not sent twice.
+        On an accelerator the queued step does not block, and reading the token early
+        would only end its overlap with this thread's work: not done there.
         """
+        if not self._early_first_token:
+            return
         batch = getattr(gen, "_generation_batch", None)
         upcoming = getattr(batch, "_next_tokens", None)
         if upcoming is None:
@@ -675,6 +683,7 @@ class ModelEngine:
             _, pieces = self._take_token(item, token, now)
             item.sent_first_early = True
             self._send_pieces(item, pieces, outbox)
+        self._refresh_stats(live)
 
     def _store(self, req: GenerationRequest, cache: list[Any], tokens: list[int]) -> None:
         """The finish hook, within the store gate's cap; a full gate skips the store."""

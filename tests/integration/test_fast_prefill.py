@@ -8,6 +8,7 @@ where that cannot be loaded every test here is skipped, saying why.
 from __future__ import annotations
 
 import asyncio
+import warnings
 
 import grpc
 import mlx.core as mx
@@ -130,6 +131,7 @@ async def test_fp32_greedy_output_is_the_stock_paths_with_numpy_elementwise(demo
         plan = fast.fast_prefill
         assert plan is not None and plan.enabled and plan.dtype == "float32"
         assert "float32 model" in plan.summary() and plan.layers == 0
+        assert plan.min_tokens == fast_prefill.FLOAT32_MIN_TOKENS
         # One activation-sized float32 array per chunk token; no weight is converted.
         assert fast_facts.prefill_conversion == plan.transient
         assert plan.transient.weight_bytes == 0 and plan.transient.chunk_token_bytes > 0
@@ -140,7 +142,9 @@ async def test_fp32_greedy_output_is_the_stock_paths_with_numpy_elementwise(demo
             before, stock_before = plan.in_numpy, stock.fast_prefill.in_numpy
             got, want = await asyncio.gather(greedy(fast, f"f{i}", ids),
                                              greedy(stock, f"s{i}", ids))
-            assert plan.in_numpy > before  # the prefill's elementwise parts ran in NumPy
+            # The prefill's elementwise parts ran in NumPy from FLOAT32_MIN_TOKENS on.
+            long_enough = len(ids) >= fast_prefill.FLOAT32_MIN_TOKENS
+            assert (plan.in_numpy > before) == long_enough, len(ids)
             assert stock.fast_prefill.in_numpy == stock_before
             assert got == want, f"prompt {i} ({len(ids)} tokens)"
     finally:
@@ -171,6 +175,30 @@ def test_fp32_logits_stay_within_a_millionth_of_the_stock_path(demo_path):
     scale = mx.abs(stock).max().item()
     assert diff <= 1e-5 * max(1.0, scale), (diff, scale)
     assert mx.argmax(fast).item() == mx.argmax(stock).item()
+
+
+def test_numpy_swiglu_matches_mlx_and_saturates_quietly():
+    """Gates far below zero overflow exp(-g) to inf: SwiGLU is 0 there, as MLX's, and
+    NumPy says nothing about it."""
+    plan = fast_prefill.FastPrefill(True, "test", dtype="float32")
+    plan.bind_thread()
+    try:
+        mx.random.seed(3)
+        gate = mx.random.normal((1, 32, 64)) * 4
+        gate[0, :4, :8] = -200.0
+        x = mx.random.normal((1, 32, 64))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ours = fast_prefill._swiglu(gate, x)
+        assert plan.in_numpy == 1
+        stock = fast_prefill._stock_swiglu(gate, x)
+        assert mx.abs(ours - stock).max().item() <= 1e-5
+        assert mx.all(ours[0, :4, :8] == 0).item()
+        # Half precision keeps MLX's kernel.
+        fast_prefill._swiglu(gate.astype(mx.bfloat16), x.astype(mx.bfloat16))
+        assert plan.in_numpy == 1
+    finally:
+        fast_prefill._thread.plan = None
 
 
 @pytest.mark.parametrize("half", [mx.float32, mx.bfloat16])
