@@ -707,7 +707,8 @@ class ModelEngine:
         prompt_responses, responses = gen.next()
         self._track_prefill(prompt_responses, live, planned, active_before)
         self._publish_step(gen, responses, live, by_id, outbox)
-        self._publish_first_tokens(gen, live, outbox)
+        if prompt_responses:  # only a step that prefilled can start a sequence's decode
+            self._publish_first_tokens(gen, live, outbox)
 
     def _reset_batch(self, gen, live, by_id, outbox, exc: Exception) -> BatchGenerator:
         """A failed step leaves the batch in an unknown state: end its requests with a
