@@ -19,29 +19,43 @@ test or tool that goes through it. It does nothing when:
 - `mlx.core` was already imported (its symbols may be bound: nothing is loaded, and the
   state says why).
 
-The optimized BLAS is Intel oneMKL from PyPI's `mkl` wheel (`pip install 'plimsoll[blas]'`,
-Linux x86_64), through its single dynamic library `libmkl_rt`. `PLIMSOLL_BLAS=/path/to/lib.so`
-loads any other BLAS whose CBLAS symbols are not prefixed instead (for example Debian's
-`libopenblas0-pthread` on aarch64, where no such wheel exists on PyPI).
+The optimized BLAS is OpenBLAS from PyPI's `scipy-openblas32` wheel (`pip install
+'plimsoll[blas]'`, Linux x86_64 and aarch64, ~30 MB). Its symbols carry a `scipy_` prefix,
+so MLX cannot bind to them directly: engine/cblas_shim.c defines the one entry MLX calls,
+`cblas_sgemm`, and forwards it — a one-row product (a decode step) to `sgemv`, which
+streams the weights ~3x faster than OpenBLAS's own one-row sgemm. The shim is compiled
+once into the cache folder by the first C compiler found (`$CC`, cc, gcc, clang, then the
+`ziglang` wheel the extra brings for machines without one). Without a compiler, or with
+`PLIMSOLL_BLAS=mkl`, Intel oneMKL from the `mkl` wheel (`[mkl]` extra, ~1 GB) is loaded
+as is through its single library `libmkl_rt`. `PLIMSOLL_BLAS=/path/to/lib.so` loads any
+other BLAS whose CBLAS symbols are not prefixed (Debian's `libopenblas0-pthread`, say).
 
 Threads: as many as the process may run at once (`usable_cpus()`: the CPU affinity mask
-and the cgroup v1/v2 CPU quota, never `os.cpu_count()`), with MKL's OpenMP threads told
-not to spin after a call (`KMP_BLOCKTIME=0`): MLX's own work (bfloat16 and float16 matrix
-products, elementwise ops) and the server's event loop run on the same cores between BLAS
-calls. Every variable is only a default: one already set in the environment wins.
+and the cgroup v1/v2 CPU quota, never `os.cpu_count()`). MLX's own work (bfloat16 and
+float16 products, elementwise ops) and the server's event loop run on the same cores
+between BLAS calls: MKL's OpenMP threads are told not to spin after a call
+(`KMP_BLOCKTIME=0`), OpenBLAS's to spin ~0.3 ms (`OPENBLAS_THREAD_TIMEOUT=20`), and the
+shim runs products under half a million multiply-adds on one thread. Every variable is only a
+default: one already set in the environment wins.
 """
 
 from __future__ import annotations
 
 import ctypes
 import glob
+import hashlib
 import logging
 import math
 import os
+import platform
+import shutil
+import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from importlib.util import find_spec
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +65,12 @@ OFF_VALUES = frozenset({"reference", "off", "0", "false", "no", "none"})
 AUTO_VALUES = frozenset({"", "auto", "1", "on", "true", "yes"})
 # libmkl_rt's soname: .so.2 up to oneMKL 2025, .so.3 from 2026.
 MKL_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
+
+# The OpenBLAS wheel whose ints are 32-bit, as MLX's cblas_sgemm calls pass them.
+OPENBLAS_PACKAGE = "scipy_openblas32"
+OPENBLAS_PREFIX = "scipy_"  # its exported names: scipy_cblas_sgemm, ...
+SHIM_SOURCE = Path(__file__).with_name("cblas_shim.c")
+CACHE_ENV = "PLIMSOLL_CACHE_DIR"  # the demo models' cache (engine/demo_models.py)
 
 # MKL_Set_Threading_Layer / MKL_THREADING_LAYER values.
 _MKL_LAYERS = {0: "intel", 1: "sequential", 2: "pgi", 3: "gnu", 4: "tbb"}
@@ -77,7 +97,7 @@ class BlasState:
 
 _lock = threading.Lock()
 _state: BlasState | None = None
-_handle: ctypes.CDLL | None = None  # kept so the library is never unloaded
+_handles: list[ctypes.CDLL] = []  # kept so the libraries are never unloaded
 
 
 def preload() -> BlasState:
@@ -125,23 +145,48 @@ def _choose() -> BlasState:
         return _reference("mlx.core was imported before the BLAS preload", reference,
                           problem=True)
 
-    if setting.lower() in AUTO_VALUES or setting.lower() == "mkl":
+    choice = setting.lower()
+    if choice in AUTO_VALUES:
+        return _auto(reference)
+    if choice == "openblas":
+        path = find_openblas()
+        if path is None:
+            return _reference(f"{ENV}=openblas but {OPENBLAS_PACKAGE} is not installed",
+                              reference, problem=True)
+        return _load_openblas(path, f"{ENV}=openblas")
+    if choice == "mkl":
         path = find_mkl()
         if path is None:
-            machine = os.uname().machine
-            why = ("the [blas] extra is not installed" if machine == "x86_64"
-                   else f"no optimized BLAS wheel for {machine}")
-            asked = setting.lower() == "mkl"
-            if asked:
-                why = f"{ENV}=mkl but libmkl_rt was not found"
-            return _reference(why, reference, problem=asked)
-        return _load(path, "the [blas] extra" if setting.lower() != "mkl" else f"{ENV}=mkl")
+            return _reference(f"{ENV}=mkl but libmkl_rt was not found", reference,
+                              problem=True)
+        return _load(path, f"{ENV}=mkl")
     if os.sep in setting or setting.endswith((".so", ".dylib")) or ".so." in setting:
         if not os.path.isfile(setting):
             return _reference(f"{ENV}: no such file", reference, problem=True)
         return _load(setting, f"{ENV}=<path>")
-    return _reference(f"{ENV}={setting} is not one of auto, reference, mkl or a path",
-                      reference, problem=True)
+    return _reference(f"{ENV}={setting} is not one of auto, reference, openblas, mkl or a "
+                      "path", reference, problem=True)
+
+
+def _auto(reference: str) -> BlasState:
+    """OpenBLAS through the shim, else MKL, else the reference BLAS: the first the
+    environment has. OpenBLAS measured faster here at every product shape a model runs."""
+    skipped = ""
+    path = find_openblas()
+    if path is not None:
+        try:
+            return _load_openblas(path, "the [blas] extra")
+        except ShimUnavailable as err:
+            skipped = f"OpenBLAS skipped: {err}"
+    mkl = find_mkl()
+    if mkl is not None:
+        return _load(mkl, "the [blas] extra" + (f"; {skipped}" if skipped else ""))
+    if skipped:
+        return _reference(skipped, reference, problem=True)
+    machine = os.uname().machine
+    why = ("the [blas] extra is not installed" if machine in ("x86_64", "aarch64")
+           else f"no optimized BLAS wheel for {machine}")
+    return _reference(why, reference)
 
 
 def _mlx_dir() -> str | None:
@@ -189,6 +234,19 @@ def find_mkl() -> str | None:
     return None
 
 
+def find_openblas() -> str | None:
+    """The library of the scipy-openblas32 wheel, found without importing it."""
+    try:
+        spec = find_spec(OPENBLAS_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    lib = os.path.join(list(spec.submodule_search_locations)[0], "lib")
+    found = sorted(glob.glob(os.path.join(lib, "libscipy_openblas*.so*")))
+    return found[0] if found else None
+
+
 def _reference(reason: str, path: str | None = None, problem: bool = False) -> BlasState:
     version = ""
     if path:
@@ -205,7 +263,6 @@ def _reference(reason: str, path: str | None = None, problem: bool = False) -> B
 
 
 def _load(path: str, reason: str) -> BlasState:
-    global _handle
     threads = usable_cpus()
     # Intel OpenMP reads this when its first parallel region starts, which is later than
     # the load: it has to stay in the environment (children inherit it, which is what
@@ -217,7 +274,7 @@ def _load(path: str, reason: str) -> BlasState:
         # Too late to unload it safely; MLX would not find its symbols here anyway.
         return _reference("the library has no cblas_sgemm: MLX keeps the reference BLAS",
                           _bundled_reference(_mlx_dir() or ""), problem=True)
-    _handle = lib
+    _handles.append(lib)
     if hasattr(lib, "MKL_Get_Max_Threads"):
         return _mkl_state(lib, path, reason, threads)
     if hasattr(lib, "openblas_get_config"):
@@ -231,6 +288,113 @@ def _load(path: str, reason: str) -> BlasState:
         return BlasState("openblas", version, config or "OpenBLAS", int(actual), True,
                          reason, path)
     return BlasState("custom", "", os.path.basename(path), 0, True, reason, path)
+
+
+class ShimUnavailable(RuntimeError):
+    """The CBLAS shim could not be built or loaded here (no C compiler, say)."""
+
+
+def _load_openblas(path: str, reason: str) -> BlasState:
+    """scipy-openblas32, whose symbols are prefixed: MLX reaches it through the shim."""
+    # OpenBLAS reads this at load. Its workers spin 2^28 cycles (~0.1 s) after a call by
+    # default, which kept a second core busy for the whole of a tiny model's decode;
+    # 2^20 (~0.3 ms) still covers the gaps between the products of one step.
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "20")
+    lib = ctypes.CDLL(path)  # local scope: nothing binds to its names but the shim
+    sgemm = getattr(lib, OPENBLAS_PREFIX + "cblas_sgemm", None)
+    sgemv = getattr(lib, OPENBLAS_PREFIX + "cblas_sgemv", None)
+    if sgemm is None or sgemv is None:
+        raise ShimUnavailable(f"{os.path.basename(path)} has no {OPENBLAS_PREFIX}cblas_sgemm")
+    set_threads = getattr(lib, OPENBLAS_PREFIX + "openblas_set_num_threads")
+    if "OPENBLAS_NUM_THREADS" not in os.environ:
+        set_threads(ctypes.c_int(usable_cpus()))
+    threads = int(getattr(lib, OPENBLAS_PREFIX + "openblas_get_num_threads")())
+    shim_path = build_shim()
+    shim = ctypes.CDLL(str(shim_path), mode=ctypes.RTLD_GLOBAL)
+    shim.plimsoll_cblas_bind(ctypes.cast(sgemm, ctypes.c_void_p),
+                             ctypes.cast(sgemv, ctypes.c_void_p),
+                             ctypes.cast(set_threads, ctypes.c_void_p), ctypes.c_int(threads))
+    _handles.extend((lib, shim))
+    get_config = getattr(lib, OPENBLAS_PREFIX + "openblas_get_config")
+    get_config.restype = ctypes.c_char_p
+    config = (get_config() or b"").decode(errors="replace").split()
+    version = config[1] if len(config) > 1 and config[0] == "OpenBLAS" else ""
+    # The core its DYNAMIC_ARCH build picked at load ("Haswell", "SkylakeX", "NeoverseN1").
+    corename = getattr(lib, OPENBLAS_PREFIX + "openblas_get_corename", None)
+    kernels = ""
+    if corename is not None:
+        corename.restype = ctypes.c_char_p
+        kernels = (corename() or b"").decode(errors="replace").strip()
+    version = ".".join(version.split(".")[:3])
+    desc = f"OpenBLAS {version} (scipy-openblas32{', ' + kernels + ' kernels' if kernels else ''}" \
+        ", one-row products as gemv)"
+    return BlasState("openblas", version, desc, threads, True, reason, path)
+
+
+def shim_counts() -> tuple[int, int] | None:
+    """(sgemm, sgemv) calls the shim has made since the load; None without the shim."""
+    for lib in _handles:
+        if hasattr(lib, "plimsoll_cblas_counts"):
+            gemm, gemv = ctypes.c_longlong(), ctypes.c_longlong()
+            lib.plimsoll_cblas_counts(ctypes.byref(gemm), ctypes.byref(gemv))
+            return gemm.value, gemv.value
+    return None
+
+
+def build_shim() -> Path:
+    """engine/cblas_shim.c compiled once per source and machine into the cache folder
+    (PLIMSOLL_CACHE_DIR, else ~/.cache/plimsoll), by the first C compiler that works:
+    $CC, cc, gcc, clang, then the `ziglang` wheel's."""
+    source = SHIM_SOURCE.read_bytes()
+    key = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
+    folder = _shim_folder()
+    out = folder / f"cblas_shim-{key}.so"
+    if out.is_file():
+        return out
+    tried = []
+    for cc in compilers():
+        tmp = folder / f".{out.name}.{os.getpid()}.tmp"
+        cmd = [*cc, "-O2", "-shared", "-fPIC", "-nostdlib", "-o", str(tmp), str(SHIM_SOURCE)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, timeout=120, check=False)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            tried.append(f"{os.path.basename(cc[-1])}: {err}")
+            continue
+        if done.returncode == 0 and tmp.is_file():
+            os.replace(tmp, out)  # atomic: a process building beside us wins or loses whole
+            return out
+        tmp.unlink(missing_ok=True)
+        tail = (done.stderr or b"").decode(errors="replace").strip().splitlines()[-1:]
+        tried.append(f"{os.path.basename(cc[-1])}: exit {done.returncode} {' '.join(tail)}")
+    if not tried:
+        raise ShimUnavailable("no C compiler to build the CBLAS shim (install a C compiler "
+                              "or the ziglang wheel)")
+    raise ShimUnavailable("the CBLAS shim did not build: " + "; ".join(tried))
+
+
+def compilers() -> list[list[str]]:
+    """C compilers to try, as argument lists, in order."""
+    found: list[list[str]] = []
+    for name in (os.environ.get("CC", "").strip(), "cc", "gcc", "clang"):
+        path = shutil.which(name.split()[0]) if name else None
+        if path and [path] not in found:
+            found.append([path, *name.split()[1:]])
+    if find_spec("ziglang") is not None:
+        found.append([sys.executable, "-m", "ziglang", "cc"])
+    return found
+
+
+def _shim_folder() -> Path:
+    env = os.environ.get(CACHE_ENV)
+    base = Path(env).expanduser() if env else Path.home() / ".cache" / "plimsoll"
+    for folder in (base / "blas", Path(tempfile.gettempdir()) / f"plimsoll-blas-{os.getuid()}"):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(folder, os.W_OK):
+            return folder
+    raise ShimUnavailable("no writable folder for the CBLAS shim")
 
 
 # mkl_service.h

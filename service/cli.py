@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="log verbosity (default: %(default)s)")
     s.add_argument(blas.FLAG, action="store_true",
                    help="keep MLX's bundled reference BLAS instead of the optimized one of "
-                   "the [blas] extra (Linux x86_64); the same as PLIMSOLL_BLAS=reference")
+                   "the [blas] extra (Linux); the same as PLIMSOLL_BLAS=reference")
 
     g = sub.add_parser("generate", help="stream a generation to the terminal",
                        description="Send one Generate request and stream its text.")

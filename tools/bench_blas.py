@@ -395,7 +395,7 @@ def versions() -> dict:
     import importlib.metadata as md
 
     out = {"python": platform.python_version()}
-    for dist in ("mlx", "mlx-cpu", "mlx-lm", "mkl", "intel-openmp"):
+    for dist in ("mlx", "mlx-cpu", "mlx-lm", "scipy-openblas32", "mkl", "intel-openmp"):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -417,7 +417,8 @@ def machine_line() -> str:
     v = versions()
     return (f"{cpu}, {usable_cpus()} usable CPUs, {platform.system()} {platform.machine()}, "
             f"Python {v['python']}, mlx {v['mlx']} (mlx-cpu {v['mlx-cpu']}), "
-            f"mlx-lm {v['mlx-lm']}, mkl {v['mkl']}, intel-openmp {v['intel-openmp']}")
+            f"mlx-lm {v['mlx-lm']}, scipy-openblas32 {v['scipy-openblas32']}, mkl {v['mkl']}, "
+            f"intel-openmp {v['intel-openmp']}")
 
 
 def fmt_kernels(kern: dict) -> str:
@@ -485,9 +486,9 @@ def main(argv=None) -> int:
         print(json.dumps(worker_greedy(args)))
         return 0
 
-    from engine.blas import find_mkl
+    from engine.blas import find_mkl, find_openblas
 
-    if sys.platform != "linux" or find_mkl() is None:
+    if sys.platform != "linux" or (find_mkl() is None and find_openblas() is None):
         log("no optimized BLAS here (Linux with the [blas] extra only): nothing to compare")
         return 1
     began = time.perf_counter()

@@ -772,7 +772,7 @@ def fmt_bandwidth(brows: list[dict], l3: int) -> str:
 
 def versions() -> dict:
     out = {}
-    for dist in ("mlx", "mlx-cpu", "mlx-lm", "mkl", "intel-openmp", "numpy", "grpcio"):
+    for dist in ("mlx", "mlx-cpu", "mlx-lm", "scipy-openblas32", "mkl", "intel-openmp", "numpy", "grpcio"):
         try:
             out[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -889,7 +889,7 @@ def main(argv: list[str] | None = None) -> int:
     v = report["versions"]
     print(f"End to end — {report['machine']}")
     print(f"nproc {report['nproc']}, usable CPUs {threads}; mlx {v['mlx']}, mlx-lm "
-          f"{v['mlx-lm']}, mkl {v['mkl']}")
+          f"{v['mlx-lm']}, scipy-openblas32 {v['scipy-openblas32']}, mkl {v['mkl']}")
     seen: set[str] = set()
     for label, servers in result["servers"].items():
         for name, info in servers.items():

@@ -1,8 +1,9 @@
 """The optimized BLAS under MLX (engine/blas.py, issue 10).
 
-With the `[blas]` extra (oneMKL, Linux x86_64) MLX's float32 matrix products go to MKL,
-loaded before `mlx.core`; `--no-optimized-blas` / PLIMSOLL_BLAS=reference keep MLX's
-bundled reference BLAS. Either way greedy decoding gives the same tokens, and the logits
+With the `[blas]` extra MLX's float32 matrix products go to OpenBLAS through the CBLAS
+shim (engine/cblas_shim.c: one-row products to sgemv), loaded before `mlx.core`;
+PLIMSOLL_BLAS=mkl loads oneMKL (the `[mkl]` extra) instead; `--no-optimized-blas` /
+PLIMSOLL_BLAS=reference keep MLX's bundled reference BLAS. Either way greedy decoding gives the same tokens, and the logits
 agree within LOGITS_ATOL (measured: ~7e-6 on float32 demo models whose logits reach ~3;
 exactly 0 on bfloat16 ones, which never call the BLAS). Each BLAS needs its own process.
 """
@@ -14,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from importlib.util import find_spec
 
 import pytest
 
@@ -24,9 +26,14 @@ from tools.bench_blas import LOGITS_ATOL, compare_greedy
 from tools.harness.server import ROOT, serving
 
 HAVE_MKL = sys.platform == "linux" and blas.find_mkl() is not None
-needs_mkl = pytest.mark.skipif(not HAVE_MKL, reason="needs the [blas] extra (Linux x86_64)")
+needs_mkl = pytest.mark.skipif(not HAVE_MKL, reason="needs the [mkl] extra (Linux x86_64)")
+HAVE_OPENBLAS = (sys.platform == "linux" and blas.find_openblas() is not None
+                 and bool(blas.compilers()))
+needs_openblas = pytest.mark.skipif(not HAVE_OPENBLAS,
+                                    reason="needs the [blas] extra (Linux) and a compiler")
 # What this process chose must not leak into the children's choice.
-_OURS = ("PLIMSOLL_BLAS", "MKL_NUM_THREADS", "MKL_THREADING_LAYER", "MKL_INTERFACE_LAYER")
+_OURS = ("PLIMSOLL_BLAS", "MKL_NUM_THREADS", "MKL_THREADING_LAYER", "MKL_INTERFACE_LAYER",
+         "OPENBLAS_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -58,17 +65,21 @@ def _state(env: dict[str, str] | None = None, args: tuple[str, ...] = (), **kw) 
 
 
 # -- which BLAS, and why ---------------------------------------------------------------------
-@needs_mkl
-def test_mlx_binds_its_blas_and_lapack_calls_to_mkl_only_when_on(tmp_path):
-    """The dynamic linker's own word: libmlx.so's cblas_sgemm (and a LAPACK routine) bind to
-    libmkl_rt with the extra, to the bundled reference BLAS with PLIMSOLL_BLAS=reference."""
+@needs_openblas
+def test_mlx_binds_its_blas_calls_to_the_shim_or_mkl_only_when_on(tmp_path):
+    """The dynamic linker's own word: libmlx.so's cblas_sgemm binds to the shim with the
+    extra, to libmkl_rt (with a LAPACK routine) under PLIMSOLL_BLAS=mkl, and to the bundled
+    reference BLAS with PLIMSOLL_BLAS=reference."""
     code = """
         import engine, mlx.core as mx
         a = mx.random.normal((64, 64))
         with mx.stream(mx.cpu):
             mx.eval(a @ a, mx.linalg.inv(a))
     """
-    for setting, want in (("auto", "libmkl_rt"), ("reference", "libblas")):
+    sides = [("auto", "cblas_shim-"), ("reference", "libblas")]
+    if HAVE_MKL:
+        sides.append(("mkl", "libmkl_rt"))
+    for setting, want in sides:
         out = tmp_path / setting
         _python(code, _env(PLIMSOLL_BLAS=setting, LD_DEBUG="bindings",
                            LD_DEBUG_OUTPUT=str(out)))
@@ -76,17 +87,22 @@ def test_mlx_binds_its_blas_and_lapack_calls_to_mkl_only_when_on(tmp_path):
         sgemm = [ln for ln in text.splitlines()
                  if "libmlx.so" in ln and "`cblas_sgemm'" in ln]
         assert sgemm and all(want in ln for ln in sgemm), (setting, sgemm)
-        if setting == "auto":
+        if setting == "mkl":
             assert any("libmlx.so" in ln and "`sgetrf_'" in ln and "libmkl_rt" in ln
                        for ln in text.splitlines())
 
 
-@needs_mkl
+@needs_openblas
 def test_state_follows_the_switches():
     on = _state()
-    assert (on["name"], on["optimized"], on["reason"]) == ("mkl", True, "the [blas] extra")
+    assert (on["name"], on["optimized"], on["reason"]) == ("openblas", True,
+                                                          "the [blas] extra")
     assert on["version"] and on["threads"] == blas.usable_cpus()
-    assert "/" not in on["description"]
+    assert "/" not in on["description"] and "gemv" in on["description"]
+    if HAVE_MKL:
+        mkl = _state(_env(PLIMSOLL_BLAS="mkl"))
+        assert (mkl["name"], mkl["optimized"], mkl["reason"]) == ("mkl", True,
+                                                                 "PLIMSOLL_BLAS=mkl")
 
     off = _state(_env(PLIMSOLL_BLAS="reference"))
     assert (off["name"], off["optimized"], off["threads"]) == ("reference", False, 1)
@@ -99,7 +115,7 @@ def test_state_follows_the_switches():
     assert bad["name"] == "reference" and bad["problem"]
 
 
-@needs_mkl
+@needs_openblas
 def test_mlx_imported_first_keeps_the_reference_and_says_so():
     out = _python("""
         import json, dataclasses, mlx.core
@@ -111,11 +127,81 @@ def test_mlx_imported_first_keeps_the_reference_and_says_so():
     assert "imported before" in got["reason"]
 
 
-@needs_mkl
+@needs_openblas
 def test_threads_follow_the_affinity_mask():
-    one = _state(preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}))
-    assert one["threads"] == 1 and "sequential" in one["description"]
-    assert _state(_env(MKL_NUM_THREADS="1"))["threads"] == 1  # the user's variable wins
+    def one_cpu():
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+    assert _state(preexec_fn=one_cpu)["threads"] == 1
+    assert _state(_env(OPENBLAS_NUM_THREADS="1"))["threads"] == 1  # the user's variable wins
+    if HAVE_MKL:
+        one = _state(_env(PLIMSOLL_BLAS="mkl"), preexec_fn=one_cpu)
+        assert one["threads"] == 1 and "sequential" in one["description"]
+        assert _state(_env(PLIMSOLL_BLAS="mkl", MKL_NUM_THREADS="1"))["threads"] == 1
+
+
+@needs_openblas
+def test_the_shim_sends_one_row_products_to_gemv_and_the_rest_to_gemm():
+    """Through MLX itself: a one-row product (either layout of the weight, as a linear
+    layer or a plain matmul stores it) goes to sgemv, an 8-row one to sgemm; every result
+    matches NumPy in float64."""
+    out = _python("""
+        import json
+        import numpy as np
+        from engine import blas
+        import mlx.core as mx
+        rng = np.random.default_rng(0)
+        w = rng.standard_normal((384, 256)).astype(np.float32)
+        x = rng.standard_normal((8, 256)).astype(np.float32)
+        W, X = mx.array(w), mx.array(x)
+        mx.eval(W, X)
+        got = {}
+        for name, y, want, rows in (
+            ("x @ w.T", X[:1] @ W.T, x[:1] @ w.T.astype(np.float64), 1),
+            ("w.T[:1] @ w", W.T[:1] @ W, w.T[:1].astype(np.float64) @ w, 1),
+            ("x @ w.T (8 rows)", X @ W.T, x.astype(np.float64) @ w.T, 8),
+        ):
+            before = blas.shim_counts()
+            mx.eval(y)
+            after = blas.shim_counts()
+            got[name] = {"gemm": after[0] - before[0], "gemv": after[1] - before[1],
+                         "err": float(np.abs(np.array(y) - want).max()), "rows": rows}
+        print(json.dumps(got))
+    """)
+    for name, r in json.loads(out).items():
+        assert r["err"] < 1e-3, (name, r)
+        assert (r["gemv"], r["gemm"]) == ((1, 0) if r["rows"] == 1 else (0, 1)), (name, r)
+
+
+def test_without_a_compiler_the_choice_falls_back_to_mkl_and_says_why(tmp_path,
+                                                                       monkeypatch):
+    monkeypatch.setattr(blas, "compilers", lambda: [])
+    monkeypatch.setattr(blas, "_shim_folder", lambda: tmp_path)
+    with pytest.raises(blas.ShimUnavailable, match="no C compiler"):
+        blas.build_shim()
+    loaded = []
+    monkeypatch.setattr(blas, "find_openblas", lambda: "/somewhere/libscipy_openblas.so")
+    monkeypatch.setattr(blas, "_load_openblas", lambda *a: blas.build_shim())
+    monkeypatch.setattr(blas, "find_mkl", lambda: "/somewhere/libmkl_rt.so.3")
+    monkeypatch.setattr(blas, "_load", lambda path, reason: loaded.append(reason) or "mkl")
+    assert blas._auto("/x/libblas.so.3.10.0") == "mkl"
+    assert loaded[0].startswith("the [blas] extra; OpenBLAS skipped: no C compiler")
+    monkeypatch.setattr(blas, "find_mkl", lambda: None)
+    got = blas._auto("/x/libblas.so.3.10.0")  # and without MKL: the reference, flagged
+    assert (got.name, got.problem) == ("reference", True) and "no C compiler" in got.reason
+
+
+@needs_openblas
+@pytest.mark.skipif(find_spec("ziglang") is None, reason="needs the ziglang wheel")
+def test_a_machine_with_no_c_compiler_builds_the_shim_with_the_ziglang_wheel(tmp_path):
+    """A fresh machine has Python and the extra's wheels only: no cc on PATH, an empty
+    cache. The shim is built by ziglang's compiler and OpenBLAS is in use."""
+    env = _env(PATH=str(tmp_path / "bin"), PLIMSOLL_CACHE_DIR=str(tmp_path / "cache"),
+               HOME=str(tmp_path))
+    env.pop("CC", None)
+    got = _state(env)
+    assert (got["name"], got["problem"]) == ("openblas", False), got
+    assert list((tmp_path / "cache" / "blas").glob("cblas_shim-*.so"))
 
 
 def test_macos_and_other_mlx_builds_are_left_alone(tmp_path, monkeypatch):
@@ -129,6 +215,7 @@ def test_macos_and_other_mlx_builds_are_left_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(blas, "_load", lambda *a: pytest.fail("nothing may be loaded"))
     monkeypatch.delenv(blas.ENV, raising=False)
     monkeypatch.setattr(blas, "find_mkl", lambda: None)
+    monkeypatch.setattr(blas, "find_openblas", lambda: None)
     monkeypatch.delitem(sys.modules, "mlx.core", raising=False)  # as in a fresh process
     got = blas._choose()  # mlx[cpu] without the extra
     assert (got.name, got.version) == ("reference", "3.10.0")
@@ -170,12 +257,12 @@ def test_cgroup_cpu_quota_v1_v2_and_ancestors():
 
 
 # -- same results --------------------------------------------------------------------------
-@needs_mkl
+@needs_openblas
 def test_greedy_tokens_identical_and_logits_close_in_process():
     """Two worker processes, one per BLAS: tiny (float32), small (bfloat16) and a float32
     copy of small; every greedy token equal, every step's logits within LOGITS_ATOL."""
     got = compare_greedy(["tiny", "small", "small-float32"], max_tokens=8)
-    assert got["blas"]["optimized"]["name"] == "mkl"
+    assert got["blas"]["optimized"]["name"] == "openblas"
     assert got["blas"]["reference"]["name"] == "reference"
     for name, r in got["models"].items():
         assert r["tokens_identical"], name
@@ -183,7 +270,7 @@ def test_greedy_tokens_identical_and_logits_close_in_process():
     assert got["models"]["small"]["max_abs_diff"] == 0.0  # bfloat16 never calls the BLAS
 
 
-@needs_mkl
+@needs_openblas
 def test_server_reports_its_blas_and_the_flag_gives_the_same_tokens(tmp_path, demo_path):
     """`plimsoll serve` with the optimized BLAS and with --no-optimized-blas, on tiny
     (float32) and small (bfloat16, whose prefill may go through float32 and the BLAS:
@@ -207,7 +294,7 @@ def test_server_reports_its_blas_and_the_flag_gives_the_same_tokens(tmp_path, de
             assert (info.name, info.optimized, info.threads) == ("reference", False, 1)
             assert info.reason == blas.FLAG
         else:
-            assert (info.name, info.optimized) == ("mkl", True)
+            assert (info.name, info.optimized) == ("openblas", True)
             assert info.threads == blas.usable_cpus() and info.version
         assert f"BLAS: {info.description}" in log
     assert answers[()] == answers[(blas.FLAG,)]
@@ -232,6 +319,7 @@ def test_mkl_buffers_count_in_the_process_reading():
         import numpy as np
         from engine import blas
         from memory.readings import MemoryReader
+        assert blas.state().name == "mkl"
         lib = ctypes.CDLL(blas.state().path)
         lib.MKL_Mem_Stat.restype = ctypes.c_int64
         n = ctypes.c_int()
@@ -248,7 +336,7 @@ def test_mkl_buffers_count_in_the_process_reading():
         print(json.dumps({"mkl": mkl_after - mkl_before,
                           "footprint": after.footprint_bytes - before.footprint_bytes,
                           "process": after.process_bytes - before.process_bytes}))
-    """)
+    """, _env(PLIMSOLL_BLAS="mkl"))
     got = json.loads(out)
     assert got["mkl"] > 1 << 20, got  # MKL packs into buffers of its own
     assert got["footprint"] >= got["mkl"] and got["process"] >= got["mkl"], got

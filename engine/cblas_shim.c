@@ -1,0 +1,69 @@
+/* The one CBLAS entry MLX's CPU backend calls (cblas_sgemm), forwarded to an optimized
+ * BLAS whose own symbols carry a prefix (scipy-openblas32's `scipy_cblas_sgemm`), which
+ * the dynamic linker could not bind MLX to by itself. engine/blas.py compiles this once,
+ * loads it with RTLD_GLOBAL before mlx.core and hands it the two function pointers.
+ *
+ * A one-row product (a decode step: x[1, k] @ w.T) goes to sgemv: OpenBLAS's sgemm runs
+ * the full packing path for one row and streams the weights at a third of gemv's speed.
+ * A small product (under SMALL multiply-adds) runs on one thread: a second one gains
+ * nothing there, and once woken it spins on the core that MLX and the event loop need.
+ *
+ * No libc, no headers: built with -nostdlib by whichever C compiler is at hand. */
+
+typedef long long i64;
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
+                         const float *, int, float, float *, int);
+typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const float *, int,
+                         float, float *, int);
+typedef void (*threads_fn)(int);
+
+#define SMALL (1LL << 19)
+
+static sgemm_fn target_sgemm;
+static sgemv_fn target_sgemv;
+static threads_fn set_threads; /* the library's openblas_set_num_threads, or 0 */
+static int max_threads, current_threads;
+static i64 gemm_calls, gemv_calls;
+
+void plimsoll_cblas_bind(void *sgemm, void *sgemv, void *set_num_threads, int threads) {
+  target_sgemm = (sgemm_fn)sgemm;
+  target_sgemv = (sgemv_fn)sgemv;
+  set_threads = (threads_fn)set_num_threads;
+  max_threads = current_threads = threads;
+}
+
+/* MLX calls from its CPU stream's thread: a plain static is enough to skip a call that
+ * would set what is already set. */
+static void use_threads(i64 work) {
+  int want = work < SMALL ? 1 : max_threads;
+  if (set_threads && want != current_threads) {
+    set_threads(want);
+    current_threads = want;
+  }
+}
+
+/* How many products went each way since the load: tests check the routing with it. */
+void plimsoll_cblas_counts(i64 *gemm, i64 *gemv) {
+  *gemm = __atomic_load_n(&gemm_calls, __ATOMIC_RELAXED);
+  *gemv = __atomic_load_n(&gemv_calls, __ATOMIC_RELAXED);
+}
+
+void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
+                 const float *a, int lda, const float *b, int ldb, float beta, float *c,
+                 int ldc) {
+  use_threads((i64)m * n * k);
+  if (m == 1 && k > 0 && order == ROW_MAJOR && target_sgemv) {
+    /* c[0, :n] = alpha * op(a)[0, :k] @ op(b)[:k, :n] + beta * c[0, :n] */
+    int incx = trans_a == NO_TRANS ? 1 : lda;
+    __atomic_add_fetch(&gemv_calls, 1, __ATOMIC_RELAXED);
+    if (trans_b == TRANS) /* b is stored n x k: c = b @ x */
+      target_sgemv(ROW_MAJOR, NO_TRANS, n, k, alpha, b, ldb, a, incx, beta, c, 1);
+    else /* b is stored k x n: c = b.T @ x */
+      target_sgemv(ROW_MAJOR, TRANS, k, n, alpha, b, ldb, a, incx, beta, c, 1);
+    return;
+  }
+  __atomic_add_fetch(&gemm_calls, 1, __ATOMIC_RELAXED);
+  target_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
