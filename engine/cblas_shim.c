@@ -34,8 +34,9 @@ void plimsoll_cblas_bind(void *sgemm, void *sgemv, void *set_num_threads, int th
   max_threads = current_threads = threads;
 }
 
-/* MLX calls from its CPU stream's thread: a plain static is enough to skip a call that
- * would set what is already set. */
+/* MLX runs a stream's products on that stream's one thread, so a plain static is
+ * enough to skip setting what is already set; two streams racing here could only make
+ * one product run on the other's thread count. */
 static void use_threads(i64 work) {
   int want = work < SMALL ? 1 : max_threads;
   if (set_threads && want != current_threads) {

@@ -25,6 +25,10 @@ its prefill chunks of at least `FLOAT32_MIN_TOKENS` rows take the same NumPy att
 and SwiGLU in NumPy too (MLX's CPU sigmoid is as slow as its exp): 1.2-2x faster prefill
 on the demo models.
 
+In a float32 model's last block the NumPy attention and SwiGLU stay MLX's lazy operations
+(`_LastBlock`): mlx-lm evaluates only a prefill chunk's cache, so there they would compute
+a query, an attention and an MLP that nobody reads (5-16 % of a prefill).
+
 Decode steps (one token per sequence) take the stock path, except that a quantized model
 may decode through `quantized_matmul` on float32 activations and scales (MLX's float32
 quantized kernel is ~10x faster than its bfloat16 one), its LM head too, when that
@@ -127,6 +131,7 @@ class FastPrefill:
     decode_ms: tuple[float, float] | None = None  # (stock, fp32) on the largest layer
     converted: int = 0  # layer products run in float32 (the engine thread counts them)
     in_numpy: int = 0  # attention and SwiGLU passes run in NumPy (likewise)
+    last_block: weakref.ref | None = field(default=None, repr=False)  # `_LastBlock`
     # The wrapped layers, weakly: a plan kept after its model went never keeps it alive.
     wrapped: list[weakref.ref] = field(default_factory=list, repr=False)
 
@@ -270,6 +275,8 @@ def _prefill_plan(x: mx.array, rows_axis: int) -> FastPrefill | None:
     """The bound thread's plan when `x` belongs to a prefill chunk, else None."""
     plan: FastPrefill | None = getattr(_thread, "plan", None)
     if plan is None or not plan.enabled or x.dtype not in PREFILL_DTYPES or x.ndim < 3:
+        return None
+    if getattr(_thread, "in_last_block", False):
         return None
     tokens = x.shape[rows_axis]
     if tokens < 2 or x.shape[0] * tokens < plan.min_tokens:
@@ -480,6 +487,50 @@ def _patch_modules(model: nn.Module) -> int:
             elif current is ours:
                 patched += 1
     return patched
+
+
+# -- the last block (float32 models) -------------------------------------------------------
+#
+# mlx-lm evaluates a prefill chunk's cache, never its output: of the last block only the
+# keys and values are ever computed, lazily. The NumPy attention and SwiGLU above run as
+# soon as they are called, so there they would compute a query, an attention and an MLP
+# nobody reads (about one block in N of the chunk). In a float32 model's last block they
+# stay MLX's own lazy operations: not run when unread, and the stock path's maths when
+# something reads them. Not in half precision: there the wrapped output projection
+# evaluates its input at once, which would run MLX's slow half-precision attention
+# (measured: small bfloat16 model, 22-61 % slower prefill).
+
+
+class _LastBlock:
+    """Mixin for the model's last transformer block (`_mark_last_block`)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _thread.in_last_block = True
+        try:
+            return super().__call__(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            _thread.in_last_block = False
+
+
+_LAST_BLOCK_CLASSES: dict[type, type] = {}  # block class -> its _LastBlock subclass
+
+
+def _mark_last_block(plan: FastPrefill, blocks: list[nn.Module]) -> None:
+    if not blocks or isinstance(blocks[-1], _LastBlock):
+        return
+    last, cls = blocks[-1], type(blocks[-1])
+    sub = _LAST_BLOCK_CLASSES.get(cls)
+    if sub is None:
+        sub = _LAST_BLOCK_CLASSES[cls] = type(f"Last{cls.__name__}", (_LastBlock, cls), {})
+    last.__class__ = sub
+    plan.last_block = weakref.ref(last)
+
+
+def _unmark_last_block(plan: FastPrefill) -> None:
+    last = plan.last_block() if plan.last_block is not None else None
+    if isinstance(last, _LastBlock):
+        last.__class__ = type(last).__mro__[2]  # (sub, _LastBlock, the block's class)
+    plan.last_block = None
 
 
 # -- deciding and installing ------------------------------------------------------------
@@ -766,12 +817,14 @@ def _install_float32(model: nn.Module, dense: list[nn.Module], min_tokens: int
         dtype="float32", decode_reason="stock (float32 products use BLAS already)",
         transient=ConversionTransient(0, 2 * widest * F32_BYTES, 0))
     _patch_modules(model)
+    _mark_last_block(plan, [b for b in getattr(model, "layers", None) or ()
+                            if isinstance(b, nn.Module)])
     plan.bind_thread()
     return plan
 
 
 def uninstall(plan: FastPrefill) -> None:
-    """Gives the wrapped layers their stock classes back."""
+    """Gives the wrapped layers (and the last block) their stock classes back."""
     for ref in plan.wrapped:
         m = ref()
         stock = _STOCK_CLASSES.get(type(m))
@@ -780,6 +833,7 @@ def uninstall(plan: FastPrefill) -> None:
             m.__dict__.pop("_fast_prefill", None)
             m.__dict__.pop("_decode_only", None)
     plan.wrapped = []
+    _unmark_last_block(plan)
     plan.enabled = False
     plan.decode_fp32 = False
     plan.decode_shapes = frozenset()

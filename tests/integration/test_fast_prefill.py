@@ -177,6 +177,36 @@ def test_fp32_logits_stay_within_a_millionth_of_the_stock_path(demo_path):
     assert mx.argmax(fast).item() == mx.argmax(stock).item()
 
 
+def test_the_last_block_is_left_to_mlx_s_lazy_ops(demo_path):
+    """mlx-lm evaluates a prefill chunk's cache only: the NumPy attention and SwiGLU run in
+    every block but the last (whose query, attention and MLP nobody reads), the cache comes
+    out as the stock path's, and uninstalling gives the block its own class back."""
+    info = load_model(str(demo_path))
+    model = info.model
+    blocks = list(model.layers)
+    ids = mx.array([prompts(info.tokenizer)[-1]])
+    assert ids.shape[1] >= fast_prefill.FLOAT32_MIN_TOKENS
+
+    def prefill() -> list:
+        cache = make_prompt_cache(model)
+        model(ids, cache=cache)
+        mx.eval([c.state for c in cache])
+        return cache
+
+    stock = prefill()
+    own_class = type(blocks[-1])
+    plan = fast_prefill.install(model)
+    try:
+        fast = prefill()
+        assert plan.in_numpy == 2 * (len(blocks) - 1), plan.in_numpy
+    finally:
+        fast_prefill.uninstall(plan)
+    assert type(blocks[-1]) is own_class
+    for ours, theirs in zip(fast, stock, strict=True):
+        for a, b in zip(ours.state, theirs.state, strict=True):
+            assert mx.abs(a - b).max().item() <= 1e-4
+
+
 def test_numpy_swiglu_matches_mlx_and_saturates_quietly():
     """Gates far below zero overflow exp(-g) to inf: SwiGLU is 0 there, as MLX's, and
     NumPy says nothing about it."""
