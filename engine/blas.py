@@ -21,8 +21,8 @@ test or tool that goes through it. It does nothing when:
 
 The optimized BLAS is OpenBLAS from PyPI's `scipy-openblas32` wheel (`pip install
 'plimsoll[blas]'`, Linux x86_64 and aarch64, ~30 MB). Its symbols carry a `scipy_` prefix,
-so MLX cannot bind to them directly: engine/cblas_shim.c defines the one entry MLX calls,
-`cblas_sgemm`, and forwards it — a one-row product (a decode step) to `sgemv`, which
+so MLX cannot bind to them directly: engine/cblas_shim.c defines the entry MLX calls for
+float32 products, `cblas_sgemm`, and forwards it — a one-row product (a decode step) to `sgemv`, which
 streams the weights ~3x faster than OpenBLAS's own one-row sgemm. The shim is compiled
 once into the cache folder by the first C compiler found (`$CC`, cc, gcc, clang, then the
 `ziglang` wheel the extra brings for machines without one). Without a compiler, or with
@@ -49,6 +49,7 @@ import math
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -176,7 +177,7 @@ def _auto(reference: str) -> BlasState:
     if path is not None:
         try:
             return _load_openblas(path, "the [blas] extra")
-        except ShimUnavailable as err:
+        except (ShimUnavailable, OSError, AttributeError) as err:
             skipped = f"OpenBLAS skipped: {err}"
     mkl = find_mkl()
     if mkl is not None:
@@ -295,7 +296,9 @@ class ShimUnavailable(RuntimeError):
 
 
 def _load_openblas(path: str, reason: str) -> BlasState:
-    """scipy-openblas32, whose symbols are prefixed: MLX reaches it through the shim."""
+    """scipy-openblas32, whose symbols are prefixed: MLX reaches it through the shim.
+    Nothing is global until the shim is bound: a failure leaves MLX's symbols alone."""
+    shim_path = build_shim()
     # OpenBLAS reads this at load. Its workers spin 2^28 cycles (~0.1 s) after a call by
     # default, which kept a second core busy for the whole of a tiny model's decode;
     # 2^20 (~0.3 ms) still covers the gaps between the products of one step.
@@ -303,21 +306,32 @@ def _load_openblas(path: str, reason: str) -> BlasState:
     lib = ctypes.CDLL(path)  # local scope: nothing binds to its names but the shim
     sgemm = getattr(lib, OPENBLAS_PREFIX + "cblas_sgemm", None)
     sgemv = getattr(lib, OPENBLAS_PREFIX + "cblas_sgemv", None)
-    if sgemm is None or sgemv is None:
-        raise ShimUnavailable(f"{os.path.basename(path)} has no {OPENBLAS_PREFIX}cblas_sgemm")
-    set_threads = getattr(lib, OPENBLAS_PREFIX + "openblas_set_num_threads")
-    if "OPENBLAS_NUM_THREADS" not in os.environ:
+    set_threads = getattr(lib, OPENBLAS_PREFIX + "openblas_set_num_threads", None)
+    get_threads = getattr(lib, OPENBLAS_PREFIX + "openblas_get_num_threads", None)
+    if sgemm is None or sgemv is None or set_threads is None or get_threads is None:
+        raise ShimUnavailable(f"{os.path.basename(path)} lacks the {OPENBLAS_PREFIX}cblas "
+                              "functions the shim needs")
+    if not any(v in os.environ for v in ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS",
+                                          "OMP_NUM_THREADS")):
         set_threads(ctypes.c_int(usable_cpus()))
-    threads = int(getattr(lib, OPENBLAS_PREFIX + "openblas_get_num_threads")())
-    shim_path = build_shim()
-    shim = ctypes.CDLL(str(shim_path), mode=ctypes.RTLD_GLOBAL)
-    shim.plimsoll_cblas_bind(ctypes.cast(sgemm, ctypes.c_void_p),
-                             ctypes.cast(sgemv, ctypes.c_void_p),
-                             ctypes.cast(set_threads, ctypes.c_void_p), ctypes.c_int(threads))
+    threads = int(get_threads())
+    try:
+        shim = ctypes.CDLL(str(shim_path))  # local first: bound before anyone can call it
+        shim.plimsoll_cblas_bind(ctypes.cast(sgemm, ctypes.c_void_p),
+                                 ctypes.cast(sgemv, ctypes.c_void_p),
+                                 ctypes.cast(set_threads, ctypes.c_void_p),
+                                 ctypes.c_int(threads))
+    except (OSError, AttributeError) as err:
+        shim_path.unlink(missing_ok=True)  # a bad build is not kept for the next start
+        raise ShimUnavailable(f"the CBLAS shim did not load: {err}") from err
+    # Now global (the same handle, promoted), so libmlx.so's cblas_sgemm binds to it.
+    ctypes.CDLL(str(shim_path), mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD)
     _handles.extend((lib, shim))
-    get_config = getattr(lib, OPENBLAS_PREFIX + "openblas_get_config")
-    get_config.restype = ctypes.c_char_p
-    config = (get_config() or b"").decode(errors="replace").split()
+    get_config = getattr(lib, OPENBLAS_PREFIX + "openblas_get_config", None)
+    config: list[str] = []
+    if get_config is not None:
+        get_config.restype = ctypes.c_char_p
+        config = (get_config() or b"").decode(errors="replace").split()
     version = config[1] if len(config) > 1 and config[0] == "OpenBLAS" else ""
     # The core its DYNAMIC_ARCH build picked at load ("Haswell", "SkylakeX", "NeoverseN1").
     corename = getattr(lib, OPENBLAS_PREFIX + "openblas_get_corename", None)
@@ -354,7 +368,9 @@ def build_shim() -> Path:
     tried = []
     for cc in compilers():
         tmp = folder / f".{out.name}.{os.getpid()}.tmp"
-        cmd = [*cc, "-O2", "-shared", "-fPIC", "-nostdlib", "-o", str(tmp), str(SHIM_SOURCE)]
+        # --no-undefined: a build that would need a library after all fails here, not at load.
+        cmd = [*cc, "-O2", "-shared", "-fPIC", "-nostdlib", "-Wl,--no-undefined",
+               "-o", str(tmp), str(SHIM_SOURCE)]
         try:
             done = subprocess.run(cmd, capture_output=True, timeout=120, check=False)
         except (OSError, subprocess.TimeoutExpired) as err:
@@ -385,16 +401,20 @@ def compilers() -> list[list[str]]:
 
 
 def _shim_folder() -> Path:
+    """The cache folder, else a private one under the temporary folder: never a folder
+    another user could have put a library in."""
     env = os.environ.get(CACHE_ENV)
     base = Path(env).expanduser() if env else Path.home() / ".cache" / "plimsoll"
     for folder in (base / "blas", Path(tempfile.gettempdir()) / f"plimsoll-blas-{os.getuid()}"):
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            st = folder.lstat()
         except OSError:
             continue
-        if os.access(folder, os.W_OK):
+        private = st.st_uid == os.getuid() and not st.st_mode & 0o022
+        if stat.S_ISDIR(st.st_mode) and private and os.access(folder, os.W_OK):
             return folder
-    raise ShimUnavailable("no writable folder for the CBLAS shim")
+    raise ShimUnavailable("no private writable folder for the CBLAS shim")
 
 
 # mkl_service.h

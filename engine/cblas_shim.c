@@ -1,7 +1,9 @@
-/* The one CBLAS entry MLX's CPU backend calls (cblas_sgemm), forwarded to an optimized
- * BLAS whose own symbols carry a prefix (scipy-openblas32's `scipy_cblas_sgemm`), which
- * the dynamic linker could not bind MLX to by itself. engine/blas.py compiles this once,
- * loads it with RTLD_GLOBAL before mlx.core and hands it the two function pointers.
+/* The CBLAS entry MLX's CPU backend calls for float32 products (cblas_sgemm), forwarded to
+ * an optimized BLAS whose own symbols carry a prefix (scipy-openblas32's
+ * `scipy_cblas_sgemm`), which the dynamic linker could not bind MLX to by itself. Its
+ * double and complex products (cblas_dgemm, cblas_cgemm) stay the wheel's reference BLAS.
+ * engine/blas.py compiles this once, binds it to the library's functions, then makes it
+ * global before mlx.core is loaded.
  *
  * A one-row product (a decode step: x[1, k] @ w.T) goes to sgemv: OpenBLAS's sgemm runs
  * the full packing path for one row and streams the weights at a third of gemv's speed.
@@ -45,10 +47,12 @@ static void use_threads(i64 work) {
   }
 }
 
-/* How many products went each way since the load: tests check the routing with it. */
+/* How many products went each way since the load: tests check the routing with it.
+ * Plain counters, not atomics: those need libgcc on some targets (aarch64 outlines them),
+ * and a stream's products come from one thread. */
 void plimsoll_cblas_counts(i64 *gemm, i64 *gemv) {
-  *gemm = __atomic_load_n(&gemm_calls, __ATOMIC_RELAXED);
-  *gemv = __atomic_load_n(&gemv_calls, __ATOMIC_RELAXED);
+  *gemm = gemm_calls;
+  *gemv = gemv_calls;
 }
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
@@ -58,13 +62,13 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
   if (m == 1 && k > 0 && order == ROW_MAJOR && target_sgemv) {
     /* c[0, :n] = alpha * op(a)[0, :k] @ op(b)[:k, :n] + beta * c[0, :n] */
     int incx = trans_a == NO_TRANS ? 1 : lda;
-    __atomic_add_fetch(&gemv_calls, 1, __ATOMIC_RELAXED);
-    if (trans_b == TRANS) /* b is stored n x k: c = b @ x */
-      target_sgemv(ROW_MAJOR, NO_TRANS, n, k, alpha, b, ldb, a, incx, beta, c, 1);
-    else /* b is stored k x n: c = b.T @ x */
+    gemv_calls++;
+    if (trans_b == NO_TRANS) /* b is stored k x n: c = b.T @ x */
       target_sgemv(ROW_MAJOR, TRANS, k, n, alpha, b, ldb, a, incx, beta, c, 1);
+    else /* transposed (conjugated is the same for reals): b is stored n x k, c = b @ x */
+      target_sgemv(ROW_MAJOR, NO_TRANS, n, k, alpha, b, ldb, a, incx, beta, c, 1);
     return;
   }
-  __atomic_add_fetch(&gemm_calls, 1, __ATOMIC_RELAXED);
+  gemm_calls++;
   target_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }

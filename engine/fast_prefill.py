@@ -516,9 +516,12 @@ _LAST_BLOCK_CLASSES: dict[type, type] = {}  # block class -> its _LastBlock subc
 
 
 def _mark_last_block(plan: FastPrefill, blocks: list[nn.Module]) -> None:
-    if not blocks or isinstance(blocks[-1], _LastBlock):
+    if not blocks:
         return
     last, cls = blocks[-1], type(blocks[-1])
+    if isinstance(last, _LastBlock):  # marked by an earlier plan: this one owns it now
+        plan.last_block = weakref.ref(last)
+        return
     sub = _LAST_BLOCK_CLASSES.get(cls)
     if sub is None:
         sub = _LAST_BLOCK_CLASSES[cls] = type(f"Last{cls.__name__}", (_LastBlock, cls), {})

@@ -204,6 +204,34 @@ def test_a_machine_with_no_c_compiler_builds_the_shim_with_the_ziglang_wheel(tmp
     assert list((tmp_path / "cache" / "blas").glob("cblas_shim-*.so"))
 
 
+@needs_openblas
+def test_a_broken_cached_shim_is_dropped_and_built_again(tmp_path):
+    """A cached shim that does not load (a truncated file, say) is removed, the start falls
+    back (MKL when there, else the reference) saying why, and the next start builds it."""
+    env = _env(PLIMSOLL_CACHE_DIR=str(tmp_path))
+    assert _state(env)["name"] == "openblas"
+    [built] = (tmp_path / "blas").glob("cblas_shim-*.so")
+    built.write_bytes(b"not a library")
+    fallback = _state(env)
+    assert fallback["name"] == ("mkl" if HAVE_MKL else "reference"), fallback
+    assert "did not load" in fallback["reason"] and not built.exists()
+    assert _state(env)["name"] == "openblas" and built.exists()
+
+
+def test_the_shim_is_never_taken_from_a_folder_others_can_write(tmp_path, monkeypatch):
+    shared = tmp_path / "cache"
+    (shared / "blas").mkdir(parents=True)
+    (shared / "blas").chmod(0o777)
+    (tmp_path / "tmp" / f"plimsoll-blas-{os.getuid()}").mkdir(parents=True)
+    (tmp_path / "tmp" / f"plimsoll-blas-{os.getuid()}").chmod(0o757)
+    monkeypatch.setenv(blas.CACHE_ENV, str(shared))
+    monkeypatch.setattr(blas.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    with pytest.raises(blas.ShimUnavailable, match="private"):
+        blas._shim_folder()
+    (shared / "blas").chmod(0o700)
+    assert blas._shim_folder() == shared / "blas"
+
+
 def test_macos_and_other_mlx_builds_are_left_alone(tmp_path, monkeypatch):
     """No loading at all: macOS keeps Accelerate; mlx[cuda] (or a source build, with no
     bundled reference BLAS) keeps whatever it links."""
