@@ -41,6 +41,7 @@ default: one already set in the environment wins.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import hashlib
@@ -58,6 +59,8 @@ from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
 
+from engine.cache_dir import cache_root
+
 log = logging.getLogger(__name__)
 
 ENV = "PLIMSOLL_BLAS"
@@ -71,7 +74,6 @@ MKL_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
 OPENBLAS_PACKAGE = "scipy_openblas32"
 OPENBLAS_PREFIX = "scipy_"  # its exported names: scipy_cblas_sgemm, ...
 SHIM_SOURCE = Path(__file__).with_name("cblas_shim.c")
-CACHE_ENV = "PLIMSOLL_CACHE_DIR"  # the demo models' cache (engine/demo_models.py)
 
 # MKL_Set_Threading_Layer / MKL_THREADING_LAYER values.
 _MKL_LAYERS = {0: "intel", 1: "sequential", 2: "pgi", 3: "gnu", 4: "tbb"}
@@ -357,7 +359,7 @@ def shim_counts() -> tuple[int, int] | None:
 
 def build_shim() -> Path:
     """engine/cblas_shim.c compiled once per source and machine into the cache folder
-    (PLIMSOLL_CACHE_DIR, else ~/.cache/plimsoll), by the first C compiler that works:
+    (`cache_root()`: PLIMSOLL_CACHE_DIR, else ~/.cache/plimsoll), by the first C compiler that works:
     $CC, cc, gcc, clang, then the `ziglang` wheel's."""
     source = SHIM_SOURCE.read_bytes()
     key = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]
@@ -401,11 +403,12 @@ def compilers() -> list[list[str]]:
 
 
 def _shim_folder() -> Path:
-    """The cache folder, else a private one under the temporary folder: never a folder
+    """The cache folder (engine/cache_dir.py), else a private one under the temporary folder: never a folder
     another user could have put a library in."""
-    env = os.environ.get(CACHE_ENV)
-    base = Path(env).expanduser() if env else Path.home() / ".cache" / "plimsoll"
-    for folder in (base / "blas", Path(tempfile.gettempdir()) / f"plimsoll-blas-{os.getuid()}"):
+    candidates = [Path(tempfile.gettempdir()) / f"plimsoll-blas-{os.getuid()}"]
+    with contextlib.suppress(RuntimeError, KeyError):  # no home folder to be found
+        candidates.insert(0, cache_root() / "blas")
+    for folder in candidates:
         try:
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
             st = folder.lstat()

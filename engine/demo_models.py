@@ -31,8 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from engine.cache_dir import CACHE_ENV as CACHE_ENV  # re-exported: tools name it here
+from engine.cache_dir import cache_root
+
 DEMO_FORMAT_VERSION = 1
-CACHE_ENV = "PLIMSOLL_CACHE_DIR"
 COMPLETE_MARKER = "plimsoll_demo.json"
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
@@ -164,7 +166,7 @@ DEMO_SIZES: dict[str, DemoSpec] = {
 def demo_model_path(size: str = "tiny", cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Where the demo model of this size lives (whether or not it has been made)."""
     spec = _spec(size)
-    return _cache_root(cache_dir) / "demo-models" / spec.folder_name
+    return cache_root(cache_dir) / "demo-models" / spec.folder_name
 
 
 def ensure_demo_model(size: str = "tiny", cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -592,15 +594,6 @@ def _spec(size: str) -> DemoSpec:
     except KeyError:
         raise ValueError(f"unknown demo size {size!r}; choose from {', '.join(DEMO_SIZES)}") \
             from None
-
-
-def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "plimsoll"
 
 
 @contextlib.contextmanager

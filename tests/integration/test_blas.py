@@ -20,6 +20,7 @@ from importlib.util import find_spec
 import pytest
 
 from engine import blas
+from engine.cache_dir import CACHE_ENV
 from engine.demo_models import ensure_demo_model
 from plimsoll.v1 import control_pb2, inference_pb2
 from tools.bench_blas import LOGITS_ATOL, compare_greedy
@@ -224,7 +225,7 @@ def test_the_shim_is_never_taken_from_a_folder_others_can_write(tmp_path, monkey
     (shared / "blas").chmod(0o777)
     (tmp_path / "tmp" / f"plimsoll-blas-{os.getuid()}").mkdir(parents=True)
     (tmp_path / "tmp" / f"plimsoll-blas-{os.getuid()}").chmod(0o757)
-    monkeypatch.setenv(blas.CACHE_ENV, str(shared))
+    monkeypatch.setenv(CACHE_ENV, str(shared))
     monkeypatch.setattr(blas.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     with pytest.raises(blas.ShimUnavailable, match="private"):
         blas._shim_folder()
