@@ -64,6 +64,12 @@ from engine.cache_dir import cache_root
 log = logging.getLogger(__name__)
 
 ENV = "PLIMSOLL_BLAS"
+# Multiply-adds from which the shim runs a product on every thread: one-row products
+# (gemv) and the rest (gemm). Below them one thread, which leaves the event loop and the
+# clients a core (docs/benchmarks.md, "Optimized BLAS"). "GEMV,GEMM" overrides both.
+PARALLEL_ENV = "PLIMSOLL_BLAS_PARALLEL_MIN"
+GEMV_PARALLEL_MIN = 1 << 19
+GEMM_PARALLEL_MIN = 1 << 22
 FLAG = "--no-optimized-blas"
 OFF_VALUES = frozenset({"reference", "off", "0", "false", "no", "none"})
 AUTO_VALUES = frozenset({"", "auto", "1", "on", "true", "yes"})
@@ -322,7 +328,8 @@ def _load_openblas(path: str, reason: str) -> BlasState:
         shim.plimsoll_cblas_bind(ctypes.cast(sgemm, ctypes.c_void_p),
                                  ctypes.cast(sgemv, ctypes.c_void_p),
                                  ctypes.cast(set_threads, ctypes.c_void_p),
-                                 ctypes.c_int(threads))
+                                 ctypes.c_int(threads),
+                                 *(ctypes.c_longlong(v) for v in parallel_min()))
     except (OSError, AttributeError) as err:
         shim_path.unlink(missing_ok=True)  # a bad build is not kept for the next start
         raise ShimUnavailable(f"the CBLAS shim did not load: {err}") from err
@@ -347,13 +354,14 @@ def _load_openblas(path: str, reason: str) -> BlasState:
     return BlasState("openblas", version, desc, threads, True, reason, path)
 
 
-def shim_counts() -> tuple[int, int] | None:
-    """(sgemm, sgemv) calls the shim has made since the load; None without the shim."""
+def shim_counts() -> tuple[int, int, int] | None:
+    """(sgemm, sgemv, on every thread) calls the shim has made since the load; None
+    without the shim."""
     for lib in _handles:
         if hasattr(lib, "plimsoll_cblas_counts"):
-            gemm, gemv = ctypes.c_longlong(), ctypes.c_longlong()
-            lib.plimsoll_cblas_counts(ctypes.byref(gemm), ctypes.byref(gemv))
-            return gemm.value, gemv.value
+            counts = [ctypes.c_longlong() for _ in range(3)]
+            lib.plimsoll_cblas_counts(*(ctypes.byref(c) for c in counts))
+            return counts[0].value, counts[1].value, counts[2].value
     return None
 
 
@@ -457,6 +465,24 @@ def _mkl_state(lib: ctypes.CDLL, path: str, reason: str, threads: int) -> BlasSt
 
 # --------------------------------------------------------------------------------------
 # how many CPUs the process may use
+
+
+def parallel_min() -> tuple[int, int]:
+    """(gemv, gemm) multiply-adds from which a product runs on every thread: the defaults,
+    or $PLIMSOLL_BLAS_PARALLEL_MIN ("GEMV,GEMM"; a value that does not parse is logged
+    and the defaults kept)."""
+    raw = os.environ.get(PARALLEL_ENV, "").strip()
+    if not raw:
+        return GEMV_PARALLEL_MIN, GEMM_PARALLEL_MIN
+    try:
+        gemv, gemm = (int(v) for v in raw.split(","))
+        if gemv < 0 or gemm < 0:
+            raise ValueError
+    except ValueError:
+        log.warning("%s=%r is not two non-negative integers (GEMV,GEMM); using %d,%d",
+                    PARALLEL_ENV, raw, GEMV_PARALLEL_MIN, GEMM_PARALLEL_MIN)
+        return GEMV_PARALLEL_MIN, GEMM_PARALLEL_MIN
+    return gemv, gemm
 
 
 def usable_cpus() -> int:

@@ -7,8 +7,8 @@
  *
  * A one-row product (a decode step: x[1, k] @ w.T) goes to sgemv: OpenBLAS's sgemm runs
  * the full packing path for one row and streams the weights at a third of gemv's speed.
- * A small product (under SMALL multiply-adds) runs on one thread: a second one gains
- * nothing there, and once woken it spins on the core that MLX and the event loop need.
+ * A small product runs on one thread (below the multiply-adds engine/blas.py binds): a
+ * second one gains little there and takes the core the event loop and the clients need.
  *
  * No libc, no headers: built with -nostdlib by whichever C compiler is at hand. */
 
@@ -21,15 +21,18 @@ typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int, const fl
                          float, float *, int);
 typedef void (*threads_fn)(int);
 
-#define SMALL (1LL << 19)
 
 static sgemm_fn target_sgemm;
 static sgemv_fn target_sgemv;
 static threads_fn set_threads; /* the library's openblas_set_num_threads, or 0 */
 static int max_threads, current_threads;
-static i64 gemm_calls, gemv_calls;
+static i64 gemv_parallel_min, gemm_parallel_min; /* multiply-adds: from these, every thread */
+static i64 gemm_calls, gemv_calls, parallel_calls;
 
-void plimsoll_cblas_bind(void *sgemm, void *sgemv, void *set_num_threads, int threads) {
+void plimsoll_cblas_bind(void *sgemm, void *sgemv, void *set_num_threads, int threads,
+                         i64 gemv_min, i64 gemm_min) {
+  gemv_parallel_min = gemv_min;
+  gemm_parallel_min = gemm_min;
   target_sgemm = (sgemm_fn)sgemm;
   target_sgemv = (sgemv_fn)sgemv;
   set_threads = (threads_fn)set_num_threads;
@@ -39,27 +42,30 @@ void plimsoll_cblas_bind(void *sgemm, void *sgemv, void *set_num_threads, int th
 /* MLX runs a stream's products on that stream's one thread, so a plain static is
  * enough to skip setting what is already set; two streams racing here could only make
  * one product run on the other's thread count. */
-static void use_threads(i64 work) {
-  int want = work < SMALL ? 1 : max_threads;
+static void use_threads(i64 work, i64 least) {
+  int want = work < least ? 1 : max_threads;
+  parallel_calls += want > 1;
   if (set_threads && want != current_threads) {
     set_threads(want);
     current_threads = want;
   }
 }
 
-/* How many products went each way since the load: tests check the routing with it.
+/* How many products went each way, and how many ran on every thread, since the load:
+ * tests check the routing with it.
  * Plain counters, not atomics: those need libgcc on some targets (aarch64 outlines them),
  * and a stream's products come from one thread. */
-void plimsoll_cblas_counts(i64 *gemm, i64 *gemv) {
+void plimsoll_cblas_counts(i64 *gemm, i64 *gemv, i64 *parallel) {
   *gemm = gemm_calls;
   *gemv = gemv_calls;
+  *parallel = parallel_calls;
 }
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
                  const float *a, int lda, const float *b, int ldb, float beta, float *c,
                  int ldc) {
-  use_threads((i64)m * n * k);
   if (m == 1 && k > 0 && order == ROW_MAJOR && target_sgemv) {
+    use_threads((i64)n * k, gemv_parallel_min);
     /* c[0, :n] = alpha * op(a)[0, :k] @ op(b)[:k, :n] + beta * c[0, :n] */
     int incx = trans_a == NO_TRANS ? 1 : lda;
     gemv_calls++;
@@ -69,6 +75,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
       target_sgemv(ROW_MAJOR, NO_TRANS, n, k, alpha, b, ldb, a, incx, beta, c, 1);
     return;
   }
+  use_threads((i64)m * n * k, gemm_parallel_min);
   gemm_calls++;
   target_sgemm(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
