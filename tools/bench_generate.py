@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -290,6 +291,21 @@ def fmt_cpu_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _grpc_runs(row: Row) -> list[Run]:
+    return [Run(**r) for r in row.runs if r["side"] == "grpc"]
+
+
+def ab_ratio(a: Row, b: Row) -> float:
+    """B's tokens/s over A's, round by round (the rounds ran together), the median."""
+    return statistics.median(y.tok_s / x.tok_s for x, y in
+                             zip(_grpc_runs(a), _grpc_runs(b), strict=True) if x.tok_s > 0)
+
+
+def ab_ttft_delta(a: Row, b: Row) -> float:
+    return statistics.median(y.ttft_p50_ms - x.ttft_p50_ms for x, y in
+                             zip(_grpc_runs(a), _grpc_runs(b), strict=True))
+
+
 def more_runs(kept: list[Run], args) -> bool:
     """At least --repeats pairs; short configurations repeat until the baseline has run
     --min-seconds in all, so that one hiccup cannot move the median."""
@@ -298,29 +314,45 @@ def more_runs(kept: list[Run], args) -> bool:
     return sum(r.wall_s for r in kept) < args.min_seconds and len(kept) < args.max_runs
 
 
-async def bench(args, baseline: Baseline, server: ServerProcess, prompts: list[Prompt]) -> dict:
-    side = GrpcSide(server.address, args.send_ids, server.proc.pid)
-    machine = Machine(server.proc.pid)
+async def bench(args, baseline: Baseline, servers: list[ServerProcess],
+                prompts: list[Prompt]) -> dict:
+    """Each round: the baseline, then every server in turn (the order alternating), the
+    others SIGSTOPped, so that an A/B of two servers is measured in the same rounds."""
+    server = servers[0]
+    sides = [GrpcSide(s.address, args.send_ids, s.proc.pid) for s in servers]
+    side = sides[0]
+    machines = [Machine(s.proc.pid) for s in servers]
+    machine = machines[0]
     freeze = not args.no_freeze
-    rows: list[Row] = []
+    rows: list[list[Row]] = [[] for _ in servers]
     profile = None
     discarded: list[dict] = []
 
     def run_baseline(batch: list[Prompt]) -> Run:
         if freeze:
-            server.freeze()
+            for s in servers:
+                s.freeze()
         try:
             a = machine.sample()
             run = baseline.run(batch, args.max_tokens)
             run.foreign_cores = machine.foreign_cores(a, machine.sample())
         finally:
-            server.thaw()
+            for s in servers:
+                s.thaw()
         return run
 
-    async def run_grpc(batch: list[Prompt]) -> Run:
-        a = machine.sample()
-        run = await side.run(batch, args.max_tokens)
-        run.foreign_cores = machine.foreign_cores(a, machine.sample())
+    async def run_grpc(batch: list[Prompt], i: int = 0) -> Run:
+        others = [s for j, s in enumerate(servers) if j != i]
+        if freeze:
+            for s in others:
+                s.freeze()
+        try:
+            a = machines[i].sample()
+            run = await sides[i].run(batch, args.max_tokens)
+            run.foreign_cores = machines[i].foreign_cores(a, machines[i].sample())
+        finally:
+            for s in others:
+                s.thaw()
         return run
 
     try:
@@ -329,25 +361,31 @@ async def bench(args, baseline: Baseline, server: ServerProcess, prompts: list[P
             log(f"[{n} streams] warm-up")
             await machine.wait_quiet(args.foreign_limit, args.quiet_wait)
             run_baseline(batch)
-            await run_grpc(batch)
+            for i in range(len(servers)):
+                await run_grpc(batch, i)
             b_runs: list[Run] = []
-            g_runs: list[Run] = []
+            g_runs: list[list[Run]] = [[] for _ in servers]
             attempts = 0
 
             while more_runs(b_runs, args):
                 attempts += 1
                 await machine.wait_quiet(args.foreign_limit, args.quiet_wait)
                 b = run_baseline(batch)
-                await asyncio.sleep(args.settle)
-                g = await run_grpc(batch)
+                order = list(range(len(servers)))
+                if attempts % 2 == 0:
+                    order.reverse()
+                gs: list[Run | None] = [None] * len(servers)
+                for i in order:
+                    await asyncio.sleep(args.settle)
+                    gs[i] = await run_grpc(batch, i)
                 note = ""
                 noisy = [
                     r
-                    for r in (b, g)
+                    for r in (b, *gs)
                     if machine.disturbed(r.foreign_cores, r.wall_s, args.foreign_limit)
                 ]
                 if noisy and len(discarded) // 2 < args.repeats * 3:
-                    discarded.extend(asdict(r) for r in (b, g))
+                    discarded.extend(asdict(r) for r in (b, *gs))
                     note = " — DISCARDED: " + ", ".join(
                         f"{r.side} shared the CPUs with other processes "
                         f"({r.foreign_cores:.2f} cores)"
@@ -355,13 +393,18 @@ async def bench(args, baseline: Baseline, server: ServerProcess, prompts: list[P
                     )
                 else:
                     b_runs.append(b)
-                    g_runs.append(g)
+                    for i, g in enumerate(gs):
+                        g_runs[i].append(g)
                 log(
                     f"[{n} streams] run {attempts} (kept {len(b_runs)}): "
-                    f"baseline {b.tok_s:.0f} tok/s, gRPC {g.tok_s:.0f} tok/s; TTFT p50 "
-                    f"{b.ttft_p50_ms:.1f} / {g.ttft_p50_ms:.1f} ms{note}"
+                    f"baseline {b.tok_s:.0f} tok/s, gRPC "
+                    + " / ".join(f"{g.tok_s:.0f}" for g in gs)
+                    + " tok/s; TTFT p50 "
+                    f"{b.ttft_p50_ms:.1f} / " + " / ".join(f"{g.ttft_p50_ms:.1f}" for g in gs)
+                    + f" ms{note}"
                 )
-            rows.append(summarize(n, b_runs, g_runs))
+            for i in range(len(servers)):
+                rows[i].append(summarize(n, b_runs, g_runs[i]))
         if args.profile:
             n = args.profile_streams or max(args.streams)
             log(f"[profile] py-spy on the server during {n}-stream gRPC runs")
@@ -378,8 +421,9 @@ async def bench(args, baseline: Baseline, server: ServerProcess, prompts: list[P
             except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
                 log(f"[profile] failed: {exc}")
     finally:
-        server.thaw()
-        await side.close()
+        for s, sd in zip(servers, sides, strict=True):
+            s.thaw()
+            await sd.close()
     return {"rows": rows, "profile": profile, "discarded": discarded}
 
 
@@ -477,12 +521,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="extra argument for `plimsoll serve` (repeatable)",
     )
+    p.add_argument(
+        "--ab-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="also start a second server with this environment variable (repeatable) and "
+        "measure both in the same rounds, in alternating order",
+    )
+    p.add_argument(
+        "--server-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment variable for the server only, not the baseline (repeatable)",
+    )
     args = p.parse_args(argv)
     args.streams = [int(s) for s in args.streams.split(",") if s.strip()]
     lo, _, hi = args.prompt_tokens.partition("-")
     args.prompt_range = (int(lo), int(hi or lo))
     if args.repeats < 1 or args.max_tokens < 1 or not args.streams:
         p.error("--repeats, --max-tokens and --streams must be positive")
+    if any("=" not in item for item in (*args.server_env, *args.ab_env)):
+        p.error("--server-env and --ab-env take NAME=VALUE")
     return args
 
 
@@ -509,10 +570,21 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="plimsoll-bench-") as tmp:
         log("starting the server")
-        with serving(Path(tmp), *server_args, timeout=300) as server:
-            result = asyncio.run(bench(args, baseline, server, prompts))
+        env = dict(item.split("=", 1) for item in args.server_env)
+        labels = ["server"]
+        with contextlib.ExitStack() as stack:
+            servers = [stack.enter_context(serving(Path(tmp), *server_args, env=env,
+                                                   timeout=300))]
+            if args.ab_env:
+                b_env = {**env, **dict(item.split("=", 1) for item in args.ab_env)}
+                servers.append(stack.enter_context(serving(Path(tmp), *server_args,
+                                                           env=b_env, timeout=300)))
+                labels = ["A (" + (" ".join(args.server_env) or "as is") + ")",
+                          "B (" + " ".join(args.ab_env) + ")"]
+            result = asyncio.run(bench(args, baseline, servers, prompts))
 
-    rows: list[Row] = result["rows"]
+    all_rows: list[list[Row]] = result["rows"]
+    rows: list[Row] = all_rows[0]
     lens = [len(p.ids) for p in prompts]
     print(f"\nGenerate throughput — model {label}")
     print(
@@ -521,7 +593,15 @@ def main(argv: list[str] | None = None) -> int:
         f"medians over ≥ {args.repeats} runs per row (≥ {args.min_seconds:g} s of baseline); "
         f"{os.cpu_count()} CPUs, {platform.system()} {platform.machine()}, Python {platform.python_version()}\n"
     )
-    print(fmt_table(rows))
+    for label, side_rows in zip(labels, all_rows, strict=True):
+        if len(all_rows) > 1:
+            print(f"\n{label}:")
+        print(fmt_table(side_rows))
+    if len(all_rows) > 1:
+        print("\nB against A, medians of the per-round ratios (same rounds):")
+        for a, b in zip(all_rows[0], all_rows[1], strict=True):
+            print(f"  {a.streams} streams: tok/s B/A {ab_ratio(a, b):.3f}, TTFT p50 "
+                  f"B-A {ab_ttft_delta(a, b):+.1f} ms")
     misses = [r.streams for r in rows if not (r.ratio_ok and r.ttft_ok)]
     print(
         f"\ntargets: ratio ≥ {RATIO_TARGET_SINGLE} (1 stream), ≥ {RATIO_TARGET_BATCH} "
@@ -539,7 +619,10 @@ def main(argv: list[str] | None = None) -> int:
         "\nDiagnostics: CPU per generated token (the client shares the machine's cores), "
         "load from other processes, and TTFT as the server itself measured it:\n"
     )
-    print(fmt_cpu_table(rows))
+    for label, side_rows in zip(labels, all_rows, strict=True):
+        if len(all_rows) > 1:
+            print(f"\n{label}:")
+        print(fmt_cpu_table(side_rows))
     if result["profile"]:
         print_profile(result["profile"], f"server profile ({result['profile']['file']})")
 
@@ -552,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
             "send_ids": args.send_ids,
             "freeze": not args.no_freeze,
             "rows": [asdict(r) for r in rows],
+            "ab_rows": [asdict(r) for r in all_rows[1]] if len(all_rows) > 1 else [],
             "profile": result["profile"],
             "discarded_runs": result["discarded"],
         }
