@@ -155,7 +155,8 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             if self._publisher.snapshot() is None:
                 await self._snapshot()
             sub = self._publisher.subscribe(request.include_samples, request.include_actions,
-                                            request.resume_after_sequence)
+                                            request.resume_after_sequence,
+                                            resume_instance=request.resume_instance)
             if sub is None:
                 raise Unavailable("memory could not be measured yet; retry", retry_after_s=1.0,
                                   reason="MEMORY_NOT_MEASURED")

@@ -7,12 +7,15 @@ whose queue is full of them is ended with RESOURCE_EXHAUSTED and re-subscribes
 for a fresh snapshot. Sequence numbers are per process: every published event
 takes the next one, whoever subscribes. The last transitions and actions are
 retained, so a client that re-subscribes with the last number it saw gets what
-it missed replayed before its snapshot.
+it missed replayed before its snapshot. Every message names the process
+(`instance`, random at start), so a client tells a restart from a reconnect and a
+resume from another process's numbers replays nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,8 +85,8 @@ class Subscriber:
 
 
 def _response(seq: int, kind: str, payload, when: timestamp_pb2.Timestamp,
-              replayed: bool = False) -> control_pb2.WatchPressureResponse:
-    msg = control_pb2.WatchPressureResponse(sequence=seq, event_time=when, replayed=replayed)
+              instance: str) -> control_pb2.WatchPressureResponse:
+    msg = control_pb2.WatchPressureResponse(sequence=seq, event_time=when, instance=instance)
     getattr(msg, kind).CopyFrom(payload)
     return msg
 
@@ -102,6 +105,8 @@ class PressureBroker:
         self.max_subscribers = max_subscribers
         self._subscribers: set[Subscriber] = set()
         self._sequence = 0
+        # Sequences start again in a new process: this tells the processes apart.
+        self.instance = secrets.token_hex(8)
         self._retained: deque[control_pb2.WatchPressureResponse] = deque(maxlen=retained)
         self._forgotten_through = 0  # the last retained-kind event that fell out
 
@@ -116,7 +121,7 @@ class PressureBroker:
 
     def subscribe(self, snapshot: control_pb2.PressureSnapshot, include_samples: bool,
                   include_actions: bool, resume_after: int = 0, *,
-                  internal: bool = False) -> Subscriber:
+                  resume_instance: str = "", internal: bool = False) -> Subscriber:
         """`internal`: the server's own (readiness): not a client, not counted."""
         clients = sum(1 for s in self._subscribers if not s.internal)
         if not internal and clients >= self.max_subscribers:
@@ -126,7 +131,9 @@ class PressureBroker:
                 retry_after_s=5.0, metadata={"limit": str(self.max_subscribers)})
         sub = Subscriber(include_samples, include_actions, self.capacity)
         sub.internal = internal
-        if resume_after:
+        if resume_after and resume_instance not in ("", self.instance):
+            snapshot.replay_incomplete = True  # another process's numbers: nothing to replay
+        elif resume_after:
             for msg in self._retained:
                 if msg.sequence > resume_after and sub.wants(msg.WhichOneof("event")):
                     replay = control_pb2.WatchPressureResponse()
@@ -134,7 +141,8 @@ class PressureBroker:
                     replay.replayed = True
                     sub.queue.append(replay)
             snapshot.replay_incomplete = resume_after < self._forgotten_through
-        sub.queue.append(_response(self._sequence, "snapshot", snapshot, now_timestamp()))
+        sub.queue.append(_response(self._sequence, "snapshot", snapshot, now_timestamp(),
+                                   self.instance))
         sub.wakeup.set()
         self._subscribers.add(sub)
         return sub
@@ -152,7 +160,7 @@ class PressureBroker:
     def publish(self, kind: str, payload) -> None:
         """kind: "transition", "sample" or "action"; payload: the matching message."""
         self._sequence += 1
-        msg = _response(self._sequence, kind, payload, now_timestamp())
+        msg = _response(self._sequence, kind, payload, now_timestamp(), self.instance)
         if kind != "sample":
             if len(self._retained) == self._retained.maxlen:
                 self._forgotten_through = self._retained[0].sequence
@@ -199,12 +207,13 @@ class PressurePublisher:
         )
 
     def subscribe(self, include_samples: bool, include_actions: bool,
-                  resume_after: int = 0, *, internal: bool = False) -> Subscriber | None:
+                  resume_after: int = 0, *, resume_instance: str = "",
+                  internal: bool = False) -> Subscriber | None:
         snapshot = self.snapshot()
         if snapshot is None:
             return None
         return self.broker.subscribe(snapshot, include_samples, include_actions, resume_after,
-                                     internal=internal)
+                                     resume_instance=resume_instance, internal=internal)
 
     def on_transition(self, transition: Transition, readings: MemoryReadings,
                       limits: Limits) -> None:

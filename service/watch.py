@@ -8,8 +8,9 @@ The parts:
   the screen can be tested without a terminal.
 - `run(args)`: the thin loop. One thread reads the stream and re-subscribes when it
   breaks, with `resume_after_sequence` set to the last sequence seen, so a reconnect to
-  the same process replays what was missed; a snapshot whose sequence is lower than
-  what was seen comes from a new process, and the screen says "server restarted".
+  the same process replays what was missed; a snapshot from another process (its
+  `instance` differs; from a server without one, a sequence lower than what was seen)
+  means the server restarted, and the screen says so.
   Another thread polls GetMemoryStatus for the models every few seconds and at once
   after a transition or a model action. `--record FILE` writes every stream message
   as one JSON line (`json_format.MessageToDict` plus the local receive time),
@@ -157,6 +158,7 @@ class WatchState:
     models_at: float | None = None
     connected: bool = False
     last_sequence: int = 0
+    instance: str = ""  # the server process the events came from
     seen_before_reconnect: int = 0  # the last sequence seen when the stream broke
     replayed: int = 0  # replayed events since the last break
     snapshots: int = 0
@@ -184,8 +186,9 @@ def _snapshot(state: WatchState, msg: control_pb2.WatchPressureResponse, now: fl
     seq = msg.sequence
     if state.snapshots == 0:
         _say(state, "connected", f"connected: snapshot at sequence {seq}", now)
-    elif seq < state.seen_before_reconnect:
-        # Sequences only grow within one process: a lower one is a new process.
+    elif (msg.instance != state.instance if msg.instance and state.instance
+          else seq < state.seen_before_reconnect):
+        # Another process; a server that names none: sequences only grow within one.
         state.restarts += 1
         _say(state, "restarted", f"server restarted: reconnected with a fresh snapshot "
              f"(sequence {seq}, {state.seen_before_reconnect} seen before)", now)
@@ -197,6 +200,7 @@ def _snapshot(state: WatchState, msg: control_pb2.WatchPressureResponse, now: fl
     state.snapshots += 1
     state.connected, state.attempts, state.replayed = True, 0, 0
     state.last_sequence = seq
+    state.instance = msg.instance
     state.level = snap.level
     state.readings, state.limits, state.admission = snap.readings, snap.limits, snap.admission
     state.usage.append(snap.readings.process_bytes)
@@ -475,13 +479,13 @@ class _Feeds:
                 call.cancel()
 
     def _read(self) -> None:
-        last, attempt = 0, 0
+        last, instance, attempt = 0, "", 0
         while not self.stop.is_set():
             with self._channel() as channel:
                 stub = control_pb2_grpc.ControlServiceStub(channel)
                 req = control_pb2.WatchPressureRequest(
                     include_samples=self.samples, include_actions=True,
-                    resume_after_sequence=last)
+                    resume_after_sequence=last, resume_instance=instance)
                 reason = "the server ended the stream"
                 try:
                     self._call = stub.WatchPressure(req)
@@ -491,6 +495,7 @@ class _Feeds:
                         # that is lower than before, and the resume point follows it.
                         snap = msg.WhichOneof("event") == "snapshot"
                         last = msg.sequence if snap else max(last, msg.sequence)
+                        instance = msg.instance
                         self.events.put(("message", msg, time.time()))
                 except grpc.RpcError as err:
                     reason = error_line(error_fields(err, self.target)).removeprefix("error: ")

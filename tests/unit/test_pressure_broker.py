@@ -111,6 +111,25 @@ async def test_a_re_subscriber_gets_what_it_missed_replayed_before_its_snapshot(
     assert [m.sequence for m in await drain(quiet)] == [4, 4]
 
 
+async def test_a_resume_from_another_process_replays_nothing_and_says_so():
+    """Every message names its process; sequence numbers of another instance (the server
+    restarted) mean nothing here, so no replay, and the snapshot says events were missed."""
+    old, broker = PressureBroker(), PressureBroker()
+    assert old.instance != broker.instance
+    for _ in range(3):
+        broker.publish("transition", transition(1, 2))
+    sub = broker.subscribe(snapshot(), include_samples=False, include_actions=False,
+                           resume_after=1, resume_instance=old.instance)
+    msgs = await drain(sub)
+    assert [m.sequence for m in msgs] == [3] and msgs[0].snapshot.replay_incomplete
+    assert {m.instance for m in msgs} == {broker.instance}
+    same = broker.subscribe(snapshot(), include_samples=False, include_actions=False,
+                            resume_after=1, resume_instance=broker.instance)
+    msgs = await drain(same)
+    assert [(m.sequence, m.replayed) for m in msgs] == [(2, True), (3, True), (3, False)]
+    assert {m.instance for m in msgs} == {broker.instance}
+
+
 async def test_a_replay_says_when_the_ring_forgot_events():
     broker = PressureBroker(retained=2)
     for _ in range(5):

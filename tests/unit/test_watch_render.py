@@ -142,6 +142,25 @@ def test_a_lower_snapshot_sequence_after_a_break_is_a_restarted_server():
     assert " OK " in text and "restarts seen 1" in text
 
 
+def test_a_snapshot_from_another_instance_is_a_restart_even_numbered_higher():
+    """The new process may have published more than the old one had by the time the
+    dashboard reconnects: its instance, not its numbers, says it is new."""
+    state = watch.WatchState("127.0.0.1:50051")
+
+    def snap(seq: int, instance: str, at: float) -> control_pb2.WatchPressureResponse:
+        msg = snapshot(seq, 110, at=at)
+        msg.instance = instance
+        return msg
+
+    watch.apply(state, snap(5, "a1", T0), T0)
+    watch.on_down(state, "UNAVAILABLE: cannot reach a server", T0 + 1)
+    watch.apply(state, snap(40, "b2", T0 + 2), T0 + 2)  # higher, yet another process
+    assert state.restarts == 1 and "server restarted" in state.notice
+    watch.on_down(state, "the server ended the stream", T0 + 3)
+    watch.apply(state, snap(41, "b2", T0 + 4), T0 + 4)  # the same process again
+    assert state.restarts == 1 and state.notice.startswith("reconnected:")
+
+
 def test_a_resumed_stream_of_the_same_process_says_what_it_replayed():
     state = squeezed_state()
     watch.on_down(state, "RESOURCE_EXHAUSTED SUBSCRIBER_OVERFLOW: fell behind", T0 + 10)

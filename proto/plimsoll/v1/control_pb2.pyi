@@ -215,14 +215,16 @@ class UnpinResponse(_message.Message):
     def __init__(self, lease: _Optional[_Union[Lease, _Mapping]] = ...) -> None: ...
 
 class WatchPressureRequest(_message.Message):
-    __slots__ = ("include_samples", "include_actions", "resume_after_sequence")
+    __slots__ = ("include_samples", "include_actions", "resume_after_sequence", "resume_instance")
     INCLUDE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_ACTIONS_FIELD_NUMBER: _ClassVar[int]
     RESUME_AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    RESUME_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     include_samples: bool
     include_actions: bool
     resume_after_sequence: int
-    def __init__(self, include_samples: _Optional[bool] = ..., include_actions: _Optional[bool] = ..., resume_after_sequence: _Optional[int] = ...) -> None: ...
+    resume_instance: str
+    def __init__(self, include_samples: _Optional[bool] = ..., include_actions: _Optional[bool] = ..., resume_after_sequence: _Optional[int] = ..., resume_instance: _Optional[str] = ...) -> None: ...
 
 class PressureSnapshot(_message.Message):
     __slots__ = ("level", "readings", "limits", "admission", "replay_incomplete")
@@ -283,7 +285,7 @@ class EnforcerAction(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., bytes_freed: _Optional[int] = ..., entries_evicted: _Optional[int] = ..., reason: _Optional[str] = ..., level: _Optional[_Union[_types_pb2.PressureLevel, str]] = ..., kind: _Optional[_Union[EnforcerActionKind, str]] = ..., model_id: _Optional[str] = ...) -> None: ...
 
 class WatchPressureResponse(_message.Message):
-    __slots__ = ("sequence", "snapshot", "transition", "sample", "action", "event_time", "replayed")
+    __slots__ = ("sequence", "snapshot", "transition", "sample", "action", "event_time", "replayed", "instance")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     TRANSITION_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +293,7 @@ class WatchPressureResponse(_message.Message):
     ACTION_FIELD_NUMBER: _ClassVar[int]
     EVENT_TIME_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     snapshot: PressureSnapshot
     transition: PressureTransition
@@ -298,7 +301,8 @@ class WatchPressureResponse(_message.Message):
     action: EnforcerAction
     event_time: _timestamp_pb2.Timestamp
     replayed: bool
-    def __init__(self, sequence: _Optional[int] = ..., snapshot: _Optional[_Union[PressureSnapshot, _Mapping]] = ..., transition: _Optional[_Union[PressureTransition, _Mapping]] = ..., sample: _Optional[_Union[PressureSample, _Mapping]] = ..., action: _Optional[_Union[EnforcerAction, _Mapping]] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    instance: str
+    def __init__(self, sequence: _Optional[int] = ..., snapshot: _Optional[_Union[PressureSnapshot, _Mapping]] = ..., transition: _Optional[_Union[PressureTransition, _Mapping]] = ..., sample: _Optional[_Union[PressureSample, _Mapping]] = ..., action: _Optional[_Union[EnforcerAction, _Mapping]] = ..., event_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., replayed: _Optional[bool] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class GetMemoryStatusRequest(_message.Message):
     __slots__ = ()
