@@ -110,7 +110,7 @@ def parse_lines(lines: list[str]) -> Episode:
     restarts: list[float] = []
     gaps: list[float] = []  # the stream broke here: the lines break too
     seen: set[tuple[int, int]] = set()
-    process, last = 0, 0
+    process, last, instance = 0, 0, ""
     for number, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
@@ -132,9 +132,10 @@ def parse_lines(lines: list[str]) -> Episode:
             raise OperatorError(f"line {number} is no WatchPressure message: {err}") from None
         kind = msg.WhichOneof("event")
         if kind == "snapshot":
-            if msg.sequence < last:
-                process += 1  # a lower snapshot sequence: a new server process
-            last = msg.sequence
+            if (msg.instance != instance if msg.instance and instance
+                    else msg.sequence < last):
+                process += 1  # another instance (or, unnamed, a lower sequence): a new process
+            last, instance = msg.sequence, msg.instance
         else:
             if (process, msg.sequence) in seen:
                 continue

@@ -122,10 +122,11 @@ def _flag(request: Request, name: str) -> bool:
 
 
 async def _stream(publisher: PressurePublisher, streams: Streams, samples: bool,
-                  actions: bool, resume: int) -> AsyncIterator[bytes]:
+                  actions: bool, resume: int, resume_instance: str = "") -> AsyncIterator[bytes]:
     # Subscribed here, when the response starts: a client gone before then leaves no
     # subscriber behind.
-    sub = None if streams.closing else publisher.subscribe(samples, actions, resume)
+    sub = None if streams.closing else publisher.subscribe(samples, actions, resume,
+                                                           resume_instance=resume_instance)
     if sub is None:
         return
     streams.open.add(sub)
@@ -197,8 +198,10 @@ def build_app(sources: DashboardSources, streams: Streams) -> Starlette:
         if publisher.snapshot() is None:
             return _error(503, "memory could not be measured yet; retry",
                           "MEMORY_NOT_MEASURED", 1.0)
+        # `instance`: the process that numbered last_event_id (a page's fresh reconnect);
+        # another one's numbers replay nothing.
         body = _stream(publisher, streams, _flag(request, "samples"), _flag(request, "actions"),
-                       resume)
+                       resume, request.query_params.get("instance", ""))
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def metrics(request: Request) -> Response:

@@ -24,6 +24,7 @@ const state = {
   rows: new Map(), // kind/model/reason → the latest row of that action
   epoch: 0, // transitions seen: a cap walk's row ends at the next one
   lastSeq: 0,
+  instance: "", // the server process that numbered lastSeq
   level: "unknown",
   skewMs: 0, // server clock minus ours
   statusBusy: false,
@@ -250,9 +251,13 @@ function handle(kind, event) {
   const t = parseTime(msg.eventTime);
   if (!msg.replayed && msg.eventTime) state.skewMs = t - Date.now();
   if (kind === "snapshot") {
-    const restarted = seq < state.lastSeq; // a new server process: its numbers start again
+    // A new server process: another instance (or, from a server that names none, a lower
+    // sequence: numbers start again in a new process).
+    const restarted = msg.instance && state.instance ? msg.instance !== state.instance
+      : seq < state.lastSeq;
     if (restarted) state.seen.clear();
     state.lastSeq = seq;
+    state.instance = msg.instance || "";
     const s = msg.snapshot;
     setLevel(levelOf(s.level));
     showFigures(s.readings, s.limits, s.admission);
@@ -283,7 +288,8 @@ function connection(word, cls) {
 
 function connect() {
   // The browser's own reconnects send Last-Event-ID; a fresh EventSource says it here.
-  const url = "api/watch" + (state.lastSeq ? "?last_event_id=" + state.lastSeq : "");
+  const url = "api/watch" + (state.lastSeq ? "?last_event_id=" + state.lastSeq
+    + (state.instance ? "&instance=" + encodeURIComponent(state.instance) : "") : "");
   const source = new EventSource(url);
   for (const kind of ["snapshot", "transition", "sample", "action"]) {
     source.addEventListener(kind, (e) => handle(kind, e));

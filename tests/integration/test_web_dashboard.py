@@ -306,8 +306,12 @@ async def test_page_status_and_event_stream_with_replay(demo_path):
 
         # A reconnect: what was missed since resume_from comes again, marked replayed,
         # then a snapshot of now. The page's own reconnect says it in the query.
+        instance = first.data["instance"]
+        assert instance and all(e.data["instance"] == instance for e in seen)
         for path, headers in (("/api/watch?samples=0", {"Last-Event-ID": resume_from}),
-                              (f"/api/watch?samples=0&last_event_id={resume_from}", {})):
+                              (f"/api/watch?samples=0&last_event_id={resume_from}", {}),
+                              (f"/api/watch?samples=0&last_event_id={resume_from}"
+                               f"&instance={instance}", {})):
             again = await SseClient("127.0.0.1", server.web.port, path, headers).open()
             try:
                 replay = await again.until(lambda e: e.kind == "snapshot")
@@ -317,6 +321,17 @@ async def test_page_status_and_event_stream_with_replay(demo_path):
             assert all(e.data["replayed"] for e in replay[:-1])
             assert level_of(replay[-1]) == "PRESSURE_LEVEL_OK"
             assert not replay[-1].data["snapshot"]["replayIncomplete"]
+        # Numbers from another process (the page saw a server that has since restarted):
+        # nothing replayed, and the snapshot says events were missed.
+        other = await SseClient("127.0.0.1", server.web.port,
+                                f"/api/watch?samples=0&last_event_id={resume_from}"
+                                "&instance=0123456789abcdef").open()
+        try:
+            fresh = await other.until(lambda e: e.kind == "snapshot")
+        finally:
+            other.close()
+        assert [e.kind for e in fresh] == ["snapshot"]
+        assert fresh[0].data["snapshot"]["replayIncomplete"]
 
         status, headers, body = await asyncio.to_thread(get, base + "/metrics")
         if importlib.util.find_spec("telemetry.prometheus") is None:
