@@ -327,6 +327,7 @@ async def bench(args, baseline: Baseline, servers: list[ServerProcess],
     rows: list[list[Row]] = [[] for _ in servers]
     profile = None
     discarded: list[dict] = []
+    discarded_rounds = 0
 
     def run_baseline(batch: list[Prompt]) -> Run:
         if freeze:
@@ -372,7 +373,7 @@ async def bench(args, baseline: Baseline, servers: list[ServerProcess],
                 await machine.wait_quiet(args.foreign_limit, args.quiet_wait)
                 b = run_baseline(batch)
                 order = list(range(len(servers)))
-                if attempts % 2 == 0:
+                if len(b_runs) % 2 == 1:  # kept rounds alternate, whatever was discarded
                     order.reverse()
                 gs: list[Run | None] = [None] * len(servers)
                 for i in order:
@@ -384,7 +385,8 @@ async def bench(args, baseline: Baseline, servers: list[ServerProcess],
                     for r in (b, *gs)
                     if machine.disturbed(r.foreign_cores, r.wall_s, args.foreign_limit)
                 ]
-                if noisy and len(discarded) // 2 < args.repeats * 3:
+                if noisy and discarded_rounds < args.repeats * 3:
+                    discarded_rounds += 1
                     discarded.extend(asdict(r) for r in (b, *gs))
                     note = " — DISCARDED: " + ", ".join(
                         f"{r.side} shared the CPUs with other processes "
@@ -408,6 +410,9 @@ async def bench(args, baseline: Baseline, servers: list[ServerProcess],
         if args.profile:
             n = args.profile_streams or max(args.streams)
             log(f"[profile] py-spy on the server during {n}-stream gRPC runs")
+            if freeze:
+                for s in servers[1:]:
+                    s.freeze()  # thawed in the finally below
             try:
                 profile = await profile_server(
                     server,
@@ -424,7 +429,8 @@ async def bench(args, baseline: Baseline, servers: list[ServerProcess],
         for s, sd in zip(servers, sides, strict=True):
             s.thaw()
             await sd.close()
-    return {"rows": rows, "profile": profile, "discarded": discarded}
+    return {"rows": rows, "profile": profile, "discarded": discarded,
+            "discarded_rounds": discarded_rounds}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -494,7 +500,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile",
         metavar="DIR",
         default=None,
-        help="after measuring, py-spy the server during the largest gRPC phase",
+        help="after measuring, py-spy the server during the largest gRPC phase (with "
+        "--ab-env: server A, B stopped meanwhile)",
     )
     p.add_argument(
         "--profile-seconds",
@@ -593,9 +600,9 @@ def main(argv: list[str] | None = None) -> int:
         f"medians over ≥ {args.repeats} runs per row (≥ {args.min_seconds:g} s of baseline); "
         f"{os.cpu_count()} CPUs, {platform.system()} {platform.machine()}, Python {platform.python_version()}\n"
     )
-    for label, side_rows in zip(labels, all_rows, strict=True):
+    for side_label, side_rows in zip(labels, all_rows, strict=True):
         if len(all_rows) > 1:
-            print(f"\n{label}:")
+            print(f"\n{side_label}:")
         print(fmt_table(side_rows))
     if len(all_rows) > 1:
         print("\nB against A, medians of the per-round ratios (same rounds):")
@@ -612,16 +619,16 @@ def main(argv: list[str] | None = None) -> int:
     if result["discarded"]:
         worst = max(r["foreign_cores"] for r in result["discarded"])
         print(
-            f"\n{len(result['discarded']) // 2} run pair(s) discarded and run again: other "
+            f"\n{result['discarded_rounds']} round(s) discarded and run again: other "
             f"processes used up to {worst:.2f} cores during them"
         )
     print(
         "\nDiagnostics: CPU per generated token (the client shares the machine's cores), "
         "load from other processes, and TTFT as the server itself measured it:\n"
     )
-    for label, side_rows in zip(labels, all_rows, strict=True):
+    for side_label, side_rows in zip(labels, all_rows, strict=True):
         if len(all_rows) > 1:
-            print(f"\n{label}:")
+            print(f"\n{side_label}:")
         print(fmt_cpu_table(side_rows))
     if result["profile"]:
         print_profile(result["profile"], f"server profile ({result['profile']['file']})")
@@ -635,7 +642,12 @@ def main(argv: list[str] | None = None) -> int:
             "send_ids": args.send_ids,
             "freeze": not args.no_freeze,
             "rows": [asdict(r) for r in rows],
+            "server_env": args.server_env,
+            "ab_env": args.ab_env,
             "ab_rows": [asdict(r) for r in all_rows[1]] if len(all_rows) > 1 else [],
+            "ab_tok_s_ratio": {str(a.streams): ab_ratio(a, b)
+                               for a, b in zip(all_rows[0], all_rows[-1], strict=True)}
+            if len(all_rows) > 1 else {},
             "profile": result["profile"],
             "discarded_runs": result["discarded"],
         }
