@@ -476,7 +476,7 @@ def parallel_min() -> tuple[int, int]:
         return GEMV_PARALLEL_MIN, GEMM_PARALLEL_MIN
     try:
         gemv, gemm = (int(v) for v in raw.split(","))
-        if gemv < 0 or gemm < 0:
+        if not (0 <= gemv < 2**63 and 0 <= gemm < 2**63):  # the shim's long long
             raise ValueError
     except ValueError:
         log.warning("%s=%r is not two non-negative integers (GEMV,GEMM); using %d,%d",
