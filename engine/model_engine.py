@@ -743,8 +743,10 @@ class ModelEngine:
             prefilling = [i for i in live.values() if i.first_token_at is None]
             if planner is None or not prefilling:
                 return 0
-            remaining = sum(len(i.request.prompt_tokens) - i.cached_tokens - i.prefilled
-                            for i in prefilling)
+            # A prompt's last token is not prefilled: mlx-lm runs it as the sequence's
+            # first decode step, which holds no prefill transient (and was admitted).
+            remaining = sum(max(0, len(i.request.prompt_tokens) - i.cached_tokens
+                                - i.prefilled - 1) for i in prefilling)
             if remaining <= 0:
                 return 0
             active = mx.get_active_memory()
