@@ -40,6 +40,15 @@ class OperatorError(Exception):
     """A failure that is already one line for the user."""
 
 
+def new_process(instance: str, seen_instance: str, sequence: int, seen_sequence: int) -> bool:
+    """Whether a WatchPressure snapshot came from another server process than the events
+    seen before: its instance differs; from a server that names none, its sequence is
+    lower (sequences only grow within one process)."""
+    if instance and seen_instance:
+        return instance != seen_instance
+    return sequence < seen_sequence
+
+
 def add_target(p: argparse.ArgumentParser, timeout: float = 600.0) -> None:
     """--host/--port/--timeout, as the existing client verbs take them, and --json."""
     p.add_argument("--host", default="127.0.0.1", help="server address (default: %(default)s)")

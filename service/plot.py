@@ -21,7 +21,7 @@ from pathlib import Path
 from google.protobuf import json_format
 
 from plimsoll.v1 import control_pb2, types_pb2
-from service.cli_common import MiB, OperatorError, label
+from service.cli_common import MiB, OperatorError, label, new_process
 
 LEVEL_FILL = {
     types_pb2.PRESSURE_LEVEL_SOFT: ("#f6d55c", "soft"),
@@ -132,9 +132,8 @@ def parse_lines(lines: list[str]) -> Episode:
             raise OperatorError(f"line {number} is no WatchPressure message: {err}") from None
         kind = msg.WhichOneof("event")
         if kind == "snapshot":
-            if (msg.instance != instance if msg.instance and instance
-                    else msg.sequence < last):
-                process += 1  # another instance (or, unnamed, a lower sequence): a new process
+            if new_process(msg.instance, instance, msg.sequence, last):
+                process += 1
             last, instance = msg.sequence, msg.instance
         else:
             if (process, msg.sequence) in seen:

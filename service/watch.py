@@ -50,6 +50,7 @@ from service.cli_common import (
     fmt_bytes,
     label,
     local_clock,
+    new_process,
     open_channel,
 )
 
@@ -186,9 +187,7 @@ def _snapshot(state: WatchState, msg: control_pb2.WatchPressureResponse, now: fl
     seq = msg.sequence
     if state.snapshots == 0:
         _say(state, "connected", f"connected: snapshot at sequence {seq}", now)
-    elif (msg.instance != state.instance if msg.instance and state.instance
-          else seq < state.seen_before_reconnect):
-        # Another process; a server that names none: sequences only grow within one.
+    elif new_process(msg.instance, state.instance, seq, state.seen_before_reconnect):
         state.restarts += 1
         _say(state, "restarted", f"server restarted: reconnected with a fresh snapshot "
              f"(sequence {seq}, {state.seen_before_reconnect} seen before)", now)
