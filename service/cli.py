@@ -342,8 +342,52 @@ def memory_config(args) -> MemoryConfig:
         raise CliError(f"memory settings: {err}") from err
 
 
+def _refuse_bad_serve_flags(args) -> None:
+    """Flags checkable without the server's modules: one CliError naming the first bad one."""
+    try:
+        validate_scheduler_settings(args.scheduler_mode, args.max_num_seqs,
+                                    queue_limit=args.admission_queue_limit)
+    except ValueError as err:
+        raise CliError(str(err)) from err
+    for name, value in (("--max-num-seqs", args.max_num_seqs),
+                        ("--prefill-step-size", args.prefill_step_size),
+                        ("--max-queued-requests", args.max_queued_requests),
+                        ("--max-message-mb", args.max_message_mb),
+                        ("--stream-stall-timeout", args.stream_stall_timeout),
+                        ("--max-watchers", args.max_watchers),
+                        ("--max-streams-per-connection", args.max_streams_per_connection),
+                        ("--max-leases-per-owner", args.max_leases_per_owner),
+                        ("--max-reservations-per-owner", args.max_reservations_per_owner)):
+        if value <= 0:
+            raise CliError(f"{name} must be > 0, got {value}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise CliError(f"--metrics-port must be 0..65535, got {args.metrics_port}")
+    if args.http_port is not None and not 0 <= args.http_port <= 65535:
+        raise CliError(f"--http-port must be 0..65535, got {args.http_port}")
+    if args.agent_port is not None and not 0 <= args.agent_port <= 65535:
+        raise CliError(f"--agent-port must be 0..65535, got {args.agent_port}")
+    if args.unready_hold_seconds < 0:
+        raise CliError(f"--unready-hold-seconds must be >= 0, got {args.unready_hold_seconds}")
+    if args.drain_seconds < 0:
+        raise CliError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
+
+
 def _serve(args) -> int:
-    # The server's modules (MLX, mlx-lm) load only here: client verbs start fast.
+    # Settings that need none of the server's modules are checked first: a bad memory or
+    # access setting, or a limit out of range, fails at once, before MLX and mlx-lm load.
+    memory = memory_config(args)
+    try:
+        access = auth.access_from_args(args)
+        refusal, warnings = auth.preflight(args.host, access)
+    except ValueError as err:  # AccessError, TlsError: a file or flag that cannot be used
+        raise CliError(str(err)) from err
+    if refusal is not None:
+        print(f"plimsoll: {refusal}", file=sys.stderr)
+        return 2
+    for warning in warnings:
+        print(f"plimsoll: warning: {warning}", file=sys.stderr)
+    _refuse_bad_serve_flags(args)
+    # The server's modules load only here: client verbs start fast.
     from engine.model_engine import EngineSettings
     from engine.pool import KeepAlive
     from service.server import ServerConfig, serve
@@ -376,17 +420,8 @@ def _serve(args) -> int:
         agent_port=args.agent_port,
         unready_hold_s=args.unready_hold_seconds,
     )
-    config.memory = memory_config(args)
-    try:
-        config.access = auth.access_from_args(args)
-        refusal, warnings = auth.preflight(args.host, config.access)
-    except ValueError as err:  # AccessError, TlsError: a file or flag that cannot be used
-        raise CliError(str(err)) from err
-    if refusal is not None:
-        print(f"plimsoll: {refusal}", file=sys.stderr)
-        return 2
-    for warning in warnings:
-        print(f"plimsoll: warning: {warning}", file=sys.stderr)
+    config.memory = memory
+    config.access = access
     rt = config.service
     rt.max_queued_requests = args.max_queued_requests
     rt.scheduler_mode = args.scheduler_mode
@@ -412,32 +447,6 @@ def _serve(args) -> int:
     rt.session_kv_bits = args.session_kv_bits
     if args.keep_alive is not None:
         rt.keep_alive_s = KeepAlive.from_seconds(args.keep_alive).seconds
-    try:
-        validate_scheduler_settings(rt.scheduler_mode, args.max_num_seqs,
-                                    queue_limit=rt.admission_queue_limit)
-    except ValueError as err:
-        raise CliError(str(err)) from err
-    for name, value in (("--max-num-seqs", args.max_num_seqs),
-                        ("--prefill-step-size", args.prefill_step_size),
-                        ("--max-queued-requests", args.max_queued_requests),
-                        ("--max-message-mb", args.max_message_mb),
-                        ("--stream-stall-timeout", args.stream_stall_timeout),
-                        ("--max-watchers", args.max_watchers),
-                        ("--max-streams-per-connection", args.max_streams_per_connection),
-                        ("--max-leases-per-owner", args.max_leases_per_owner),
-                        ("--max-reservations-per-owner", args.max_reservations_per_owner)):
-        if value <= 0:
-            raise CliError(f"{name} must be > 0, got {value}")
-    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
-        raise CliError(f"--metrics-port must be 0..65535, got {args.metrics_port}")
-    if args.http_port is not None and not 0 <= args.http_port <= 65535:
-        raise CliError(f"--http-port must be 0..65535, got {args.http_port}")
-    if args.agent_port is not None and not 0 <= args.agent_port <= 65535:
-        raise CliError(f"--agent-port must be 0..65535, got {args.agent_port}")
-    if args.unready_hold_seconds < 0:
-        raise CliError(f"--unready-hold-seconds must be >= 0, got {args.unready_hold_seconds}")
-    if args.drain_seconds < 0:
-        raise CliError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
     if args.no_optimized_blas and blas.state().optimized:
         # The BLAS was chosen when engine/ was imported, from the process's command line.
         raise CliError(f"{blas.FLAG} works on the command line only; or set "
