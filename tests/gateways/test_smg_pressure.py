@@ -20,7 +20,7 @@ from memory.levels import PressureLevel
 from plimsoll.v1 import control_pb2, control_pb2_grpc
 from tests.gateways.smg import FAST_HEALTH, SMG, Gateway, scrape, start_gateway
 from tools.harness.cgroup import CgroupUnavailable, ChildCgroup, limit_for_ceiling
-from tools.harness.server import free_port, start_server
+from tools.harness.server import free_port, start_server, wait_all_serving
 
 pytestmark = pytest.mark.skipif(SMG is None, reason="the smg gateway is not installed")
 
@@ -83,11 +83,13 @@ def squeezed_pair(tmp_path, demo_path):
     started = []
     gateway = None
     try:
-        calm = start_server(tmp_path, *WORKER_ARGS, "--metrics-port", str(ports[0]))
+        calm = start_server(tmp_path, *WORKER_ARGS, "--metrics-port", str(ports[0]),
+                            wait=False)
         started.append(calm)
         pressed = start_server(tmp_path, *WORKER_ARGS, "--metrics-port", str(ports[1]),
-                               prefix=cg.prefix())
+                               prefix=cg.prefix(), wait=False)
         started.append(pressed)
+        wait_all_serving(started)
         with pressed.channel() as ch:  # at hard an idle unpinned model would be unloaded
             control_pb2_grpc.ControlServiceStub(ch).Pin(
                 control_pb2.PinRequest(model_id=MODEL, owner="pressure-test"), timeout=30)

@@ -134,6 +134,18 @@ def start_server(log_dir: Path, *args: str, env: dict | None = None, wait: bool 
     return server
 
 
+def wait_all_serving(servers: list[ServerProcess], timeout: float = 180) -> None:
+    """Wait for servers started with `wait=False` (they import and load side by side, on
+    every core); if one fails, all are killed and the error raised."""
+    try:
+        for srv in servers:
+            srv.wait_serving(timeout)
+    except BaseException:
+        for srv in servers:
+            srv.stop(signal.SIGKILL)
+        raise
+
+
 @contextmanager
 def serving(log_dir: Path, *args: str, env: dict | None = None,
             prefix: list[str] | None = None, timeout: float = 180) -> Iterator[ServerProcess]:
