@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -173,27 +175,45 @@ def test_pin_session_shows_pinned(stubs):
     control.Unpin(control_pb2.UnpinRequest(lease_id=lease.lease_id))
 
 
+@contextmanager
+def holding_the_only_slot(inference) -> Iterator[None]:
+    """A long greedy stream runs for the block (it has started when the block begins),
+    then is cancelled: nothing waits for its tokens."""
+    call = inference.Generate(inference_pb2.GenerateRequest(
+        text="a", max_tokens=3000, ignore_eos=True), timeout=60)
+    started = threading.Event()
+    ended: list[grpc.StatusCode] = []
+
+    def read() -> None:
+        try:
+            for _m in call:
+                started.set()
+        except grpc.RpcError as err:
+            ended.append(err.code())
+        started.set()
+
+    t = threading.Thread(target=read)
+    t.start()
+    try:
+        assert started.wait(30) and not ended, ended
+        yield
+    finally:
+        call.cancel()
+        t.join(30)
+    assert ended == [grpc.StatusCode.CANCELLED], ended
+
+
 def test_hyper_mode_admits_one_at_a_time(tmp_path, demo_path):
     s = start_server(tmp_path, "--scheduler-mode", "hyper", "--max-num-seqs", "1")
     try:
         with s.channel() as ch:
             control = control_pb2_grpc.ControlServiceStub(ch)
             inference = inference_pb2_grpc.InferenceServiceStub(ch)
-            started = threading.Event()
-
-            def long() -> None:
-                for _m in inference.Generate(inference_pb2.GenerateRequest(
-                        text="a", max_tokens=400, ignore_eos=True), timeout=60):
-                    started.set()
-
-            t = threading.Thread(target=long)
-            t.start()
-            assert started.wait(30)
-            resp = control.Admit(control_pb2.AdmitRequest(
-                request=inference_pb2.GenerateRequest(text="b", max_tokens=4)))
+            with holding_the_only_slot(inference):
+                resp = control.Admit(control_pb2.AdmitRequest(
+                    request=inference_pb2.GenerateRequest(text="b", max_tokens=4)))
             assert resp.verdict == control_pb2.ADMIT_VERDICT_WAIT
             assert resp.binding_constraint == control_pb2.ADMIT_CONSTRAINT_HYPER_CAP
-            t.join(60)
     finally:
         s.stop()
 
@@ -243,17 +263,7 @@ def test_waiting_for_admission_times_out_or_finds_the_queue_full(tmp_path, demo_
     s = start_server(tmp_path, "--scheduler-mode", "hyper", "--max-num-seqs", "1",
                      "--admission-timeout", "1", "--admission-queue-limit", "1")
     try:
-        with s.stubs() as (_, inference):
-            started = threading.Event()
-
-            def long() -> None:
-                for _m in inference.Generate(inference_pb2.GenerateRequest(
-                        text="a", max_tokens=3000, ignore_eos=True), timeout=60):
-                    started.set()
-
-            t = threading.Thread(target=long)
-            t.start()
-            assert started.wait(30)
+        with s.stubs() as (_, inference), holding_the_only_slot(inference):
             errors: list[grpc.RpcError] = []
 
             def waiter() -> None:
@@ -270,7 +280,6 @@ def test_waiting_for_admission_times_out_or_finds_the_queue_full(tmp_path, demo_
                 list(inference.Generate(inference_pb2.GenerateRequest(text="c", max_tokens=2),
                                         timeout=30))
             w.join(30)
-            t.join(60)
         assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert len(errors) == 1 and errors[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         for err, reason in ((full.value, "QUEUE_FULL"), (errors[0], "ADMISSION_TIMEOUT")):
