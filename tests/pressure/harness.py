@@ -152,6 +152,7 @@ class Generations:
         self.results: list[Ended | None] = [None] * count
         self.started = [threading.Event() for _ in range(count)]
         self.tokens = [0] * count
+        self._calls: list[grpc.Call | None] = [None] * count
         self._threads: list[threading.Thread] = []
 
     def start(self) -> Generations:
@@ -173,7 +174,8 @@ class Generations:
         try:
             with grpc.insecure_channel(self.address) as ch:
                 stub = inference_pb2_grpc.InferenceServiceStub(ch)
-                for msg in stub.Generate(req, timeout=self.timeout_s):
+                call = self._calls[i] = stub.Generate(req, timeout=self.timeout_s)
+                for msg in call:
                     kind = msg.WhichOneof("event")
                     if kind == "start":
                         self.started[i].set()
@@ -187,6 +189,16 @@ class Generations:
             self.results[i] = ended_from_error(err, self.tokens[i])
         finally:
             self.started[i].set()
+
+    def running(self) -> bool:
+        """Every stream still open (none has ended, in any way)."""
+        return all(r is None for r in self.results)
+
+    def cancel(self) -> None:
+        """Cancel every stream still open: for a test that needed them only running."""
+        for call in self._calls:
+            if call is not None:
+                call.cancel()
 
     def join(self, timeout: float = 240) -> bool:
         deadline = time.monotonic() + timeout

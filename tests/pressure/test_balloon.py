@@ -58,8 +58,8 @@ MAX_NUM_SEQS = 4
 POLL_ACTIVE_S = 0.25
 POLL_IDLE_S = 0.5
 SAFETY_MARGIN_BYTES = 64 * MIB  # the balloon never takes the cgroup closer than this to its limit
-MIN_STEP_BYTES = 4 * MIB
-MAX_STEP_BYTES = 128 * MIB
+CROSS_BYTES = 8 * MIB  # how far past the predicted mark a step aims
+MAX_STEP_BYTES = 256 * MIB
 SETTLE_S = 2.5 * POLL_ACTIVE_S  # after a balloon step: long enough for two ticks
 
 
@@ -108,8 +108,9 @@ def _drive(
     run.before = first
     run.note(f"before     balloon    0 MiB | {first.line()}")
 
-    # Grow until hard, stepping a share of the predicted distance to the next mark so
-    # that soft is seen on the way (the soft band is ~140 MB of balloon wide here).
+    # Grow until hard, each step aiming just past the next mark as the readings predict it
+    # (the ceiling falls a byte for each byte the balloon takes), so that soft is seen on
+    # the way: the soft band is ~140 MB of balloon wide here, the step's aim 8 MiB past it.
     last_step_at = time.monotonic()
     working_set = 0
     while True:
@@ -139,7 +140,7 @@ def _drive(
             else (point.hard_bytes, HARD_FRACTION)
         )
         need = max(0, mark - point.process_bytes) / fraction
-        step = int(min(MAX_STEP_BYTES, max(MIN_STEP_BYTES, 0.6 * need)))
+        step = int(min(MAX_STEP_BYTES, need + CROSS_BYTES))
         room = cg.limit_bytes - cg.usage_bytes() - SAFETY_MARGIN_BYTES
         if step > room:
             run.failure = (
