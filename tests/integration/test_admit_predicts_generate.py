@@ -81,12 +81,28 @@ def reason_of(err: grpc.aio.AioRpcError) -> str:
     return ""
 
 
-async def first_message(call, timeout: float):
-    """('start', msg) | ('status', code, reason) | ('waiting',) after `timeout`."""
-    try:
-        msg = await asyncio.wait_for(call.read(), timeout)
-    except TimeoutError:
+# A request seen parked in the admission queue and still silent this long is waiting (the
+# test runs every tick itself, so nothing can release it meanwhile).
+PARKED_HOLD_S = 0.1
+
+
+async def first_message(call, timeout: float, parked=None):
+    """('start', msg) | ('status', code, reason) | ('waiting',) after `timeout`, or, with
+    `parked` (a predicate), PARKED_HOLD_S after it holds if that comes first."""
+    loop = asyncio.get_running_loop()
+    read = asyncio.ensure_future(call.read())
+    deadline = loop.time() + timeout
+    if parked is not None:
+        while not read.done() and not parked() and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        if parked():
+            deadline = min(deadline, loop.time() + PARKED_HOLD_S)
+    done, _ = await asyncio.wait({read}, timeout=max(0.0, deadline - loop.time()))
+    if not done:
+        read.cancel()
         return ("waiting",)
+    try:
+        msg = read.result()
     except grpc.aio.AioRpcError as err:
         return ("status", err.code(), reason_of(err))
     if msg is grpc.aio.EOF:
@@ -180,9 +196,13 @@ async def probe(server, reader, control, inference, state: State, n: int):
         verdict = (control_pb2.AdmitVerdict.Name(admit.verdict),
                    control_pb2.AdmitConstraint.Name(admit.binding_constraint)
                    .removeprefix("ADMIT_CONSTRAINT_"), admit.error_reason)
+        before = svc.queue.waiting
         call = inference.Generate(req)
         background.append(call)
-        got = await first_message(call, 0.5 if verdict[0] == "ADMIT_VERDICT_WAIT" else 20)
+        if verdict[0] == "ADMIT_VERDICT_WAIT":
+            got = await first_message(call, 0.5, parked=lambda: svc.queue.waiting > before)
+        else:
+            got = await first_message(call, 20)
         observed = (got[0], got[1].name, got[2]) if got[0] == "status" else got[:1]
         return verdict, observed
     finally:
