@@ -201,12 +201,20 @@ def test_without_a_terminal_it_prints_lines_and_json_lines(tmp_path, srv):
     line per stream message, samples included."""
     base = [sys.executable, "-m", "service.cli", "watch", "--port", str(srv.port),
             "--duration", "2"]
-    plain = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    runs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for cmd in (base, [*base, "--json"])]  # side by side
+    try:
+        outs = [r.communicate(timeout=60) for r in runs]
+        plain, as_json = (subprocess.CompletedProcess(r.args, r.returncode, *out)
+                          for r, out in zip(runs, outs, strict=True))
+    finally:
+        for r in runs:
+            if r.poll() is None:
+                r.kill()
+                r.wait()
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.startswith("connected: snapshot at sequence "), plain.stdout
     assert "soft" in plain.stdout and "ceiling 8192.0 MiB" in plain.stdout
-    as_json = subprocess.run([*base, "--json"], cwd=ROOT, capture_output=True, text=True,
-                             timeout=60)
     assert as_json.returncode == 0, as_json.stderr
     docs = [json.loads(line) for line in as_json.stdout.splitlines()]
     assert "snapshot" in docs[0]["message"] and docs[0]["received"] > 0
