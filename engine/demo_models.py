@@ -21,15 +21,17 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:  # NumPy loads where models are made: client verbs import this module
+    import numpy as np
 
 from engine.cache_dir import CACHE_ENV as CACHE_ENV  # re-exported: tools name it here
 from engine.cache_dir import cache_root
@@ -106,7 +108,7 @@ class DemoSpec:
         return f"{self.name}-v{DEMO_FORMAT_VERSION}"
 
     def param_count(self) -> int:
-        return sum(int(np.prod(shape)) for _, shape in tensor_shapes(self))
+        return sum(math.prod(shape) for _, shape in tensor_shapes(self))
 
     def config(self) -> dict[str, Any]:
         """config.json, with every field mlx_lm.models.llama.ModelArgs reads."""
@@ -363,6 +365,7 @@ def tensor_shapes(spec: DemoSpec) -> list[tuple[str, tuple[int, ...]]]:
 
 def _write_weights(spec: DemoSpec, path: Path) -> None:
     import mlx.core as mx
+    import numpy as np
 
     table = _value_table(spec.dtype)
     weights: dict[str, Any] = {}
@@ -392,6 +395,7 @@ def _value_table(dtype: str) -> np.ndarray:
     float maths happens once here, elementwise, with IEEE rounding. For bfloat16 (which
     NumPy lacks) the table holds bit patterns, rounded to nearest even.
     """
+    import numpy as np
     a = np.float64(_WEIGHT_STD * np.sqrt(3.0))
     k = np.arange(65536, dtype=np.float64)
     values = (a * ((2.0 * k + 1.0) / 65536.0 - 1.0)).astype(np.float32)
@@ -417,6 +421,7 @@ def _random_tensor(table: np.ndarray, shape: tuple[int, ...], seed: int) -> np.n
     PCG64's raw output is stable across NumPy versions (unlike its distribution methods),
     and an explicit little-endian view makes the 16-bit draws the same on any host.
     """
+    import numpy as np
     gen = np.random.PCG64(seed)
     out = np.empty(int(np.prod(shape)), dtype=table.dtype)
     for start in range(0, out.size, _CHUNK_ELEMENTS):
@@ -507,6 +512,7 @@ def _training_texts(vocab_size: int) -> list[str]:
 
 def _pseudo_words(count: int, per_line: int = 16) -> list[str]:
     """Deterministic word-like strings from syllables, in lines of `per_line` words."""
+    import numpy as np
     if count <= 0:
         return []
     onsets = ["", "b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v",

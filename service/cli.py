@@ -18,7 +18,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine import blas
 from engine.demo_models import DEMO_SIZES
 from memory.config import MemoryConfig
-from memory.plans.admission import validate_scheduler_settings
 from plimsoll.v1 import control_pb2, control_pb2_grpc, inference_pb2, inference_pb2_grpc
 from service import auth, operator_cli
 from service.cli_common import MiB, add_access, open_aio_channel, report_error
@@ -344,6 +343,7 @@ def memory_config(args) -> MemoryConfig:
 
 def _refuse_bad_serve_flags(args) -> None:
     """Flags checkable without the server's modules: one CliError naming the first bad one."""
+    from memory.plans.admission import validate_scheduler_settings
     try:
         validate_scheduler_settings(args.scheduler_mode, args.max_num_seqs,
                                     queue_limit=args.admission_queue_limit)

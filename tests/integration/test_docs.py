@@ -35,6 +35,7 @@ in the prose must be an option of some `plimsoll` verb. The server runs with
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import re
@@ -268,6 +269,7 @@ def check_cli(args: list[str], where: str) -> None:
 
 
 @cache
+@functools.cache  # many blocks name the same tool; its --help does not change
 def module_help(module: str) -> str:
     result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
