@@ -24,7 +24,7 @@ from engine.cache_dir import CACHE_ENV
 from engine.demo_models import ensure_demo_model
 from plimsoll.v1 import control_pb2, inference_pb2
 from tools.bench_blas import LOGITS_ATOL, compare_greedy
-from tools.harness.server import ROOT, serving
+from tools.harness.server import ROOT, start_server, wait_all_serving
 
 HAVE_MKL = sys.platform == "linux" and blas.find_mkl() is not None
 needs_mkl = pytest.mark.skipif(not HAVE_MKL, reason="needs the [mkl] extra (Linux x86_64)")
@@ -80,10 +80,22 @@ def test_mlx_binds_its_blas_calls_to_the_shim_or_mkl_only_when_on(tmp_path):
     sides = [("auto", "cblas_shim-"), ("reference", "libblas")]
     if HAVE_MKL:
         sides.append(("mkl", "libmkl_rt"))
+    # Side by side: the dynamic linker's logging makes each run slow.
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
+                              env=_env(PLIMSOLL_BLAS=setting, LD_DEBUG="bindings",
+                                       LD_DEBUG_OUTPUT=str(tmp_path / setting)),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for setting, _ in sides]
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     for setting, want in sides:
-        out = tmp_path / setting
-        _python(code, _env(PLIMSOLL_BLAS=setting, LD_DEBUG="bindings",
-                           LD_DEBUG_OUTPUT=str(out)))
         text = "".join(p.read_text(errors="replace") for p in tmp_path.glob(f"{setting}.*"))
         sgemm = [ln for ln in text.splitlines()
                  if "libmlx.so" in ln and "`cblas_sgemm'" in ln]
@@ -351,16 +363,26 @@ def test_server_reports_its_blas_and_the_flag_gives_the_same_tokens(tmp_path, de
     prompts = ["Once upon a time, in a small village by the sea, there lived an old "
                "fisherman and his daughter.", "The quick brown fox", "def fibonacci(n):"]
     answers = {}
-    for args in ((), (blas.FLAG,)):
-        with serving(tmp_path, "--model", str(demo_path), "--model", str(small), *args,
-                     env=_env()) as srv, srv.stubs() as (control, inference):
-            info = control.GetMemoryStatus(control_pb2.GetMemoryStatusRequest(),
-                                           timeout=30).blas
-            models = [m.model_id for m in control.ListModels(
-                control_pb2.ListModelsRequest(), timeout=30).models]
-            assert len(models) == 2, models
-            answers[args] = {m: [_tokens(inference, m, p) for p in prompts] for m in models}
-            log = srv.log()
+    sides = ((), (blas.FLAG,))
+    servers = [start_server(tmp_path, "--model", str(demo_path), "--model", str(small), *args,
+                            env=_env(), wait=False) for args in sides]  # side by side
+    try:
+        wait_all_serving(servers)
+        found = []
+        for srv, args in zip(servers, sides, strict=True):
+            with srv.stubs() as (control, inference):
+                info = control.GetMemoryStatus(control_pb2.GetMemoryStatusRequest(),
+                                               timeout=30).blas
+                models = [m.model_id for m in control.ListModels(
+                    control_pb2.ListModelsRequest(), timeout=30).models]
+                assert len(models) == 2, models
+                answers[args] = {m: [_tokens(inference, m, p) for p in prompts]
+                                 for m in models}
+            found.append((args, info, srv.log()))
+    finally:
+        for srv in servers:
+            srv.stop()
+    for args, info, log in found:
         if args:
             assert (info.name, info.optimized, info.threads) == ("reference", False, 1)
             assert info.reason == blas.FLAG
