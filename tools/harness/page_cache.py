@@ -1,0 +1,116 @@
+"""Keep the demo models' files in the page cache for the length of a test run.
+
+Machines like the CI's page out file cache that has gone unread for about a minute (the
+kernel's proactive reclaim, DAMON), and read it back from a disk at ~30 MB/s: a test that
+loads the medium model (306 MB) a minute after the last one waited ~10 s on the disk, and
+a test in a child cgroup could find the pages charged to its own cgroup on the way back
+(`tests/pressure/harness.warm_page_cache` charges them to the test process instead).
+`ModelFilePins` maps each model file read-only into this process and locks it (`mlock`):
+locked pages are never reclaimed, and they stay charged to this process's cgroup.
+
+Best effort: where locking is not allowed (no CAP_IPC_LOCK and a small RLIMIT_MEMLOCK)
+or the budget is spent, a file is simply left alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def lock_file(path: Path) -> tuple[int, int] | None:
+    """Map `path` read-only and lock it in memory: (address, size), or None (with the
+    reason logged at debug level) where that is not allowed."""
+    size = path.stat().st_size
+    if size == 0:
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    finally:
+        os.close(fd)  # the mapping keeps the file
+    if addr in (None, _MAP_FAILED):
+        log.debug("mmap %s: %s", path, os.strerror(ctypes.get_errno()))
+        return None
+    if _libc.mlock(addr, size) != 0:
+        log.debug("mlock %s: %s", path, os.strerror(ctypes.get_errno()))
+        _libc.munmap(addr, size)
+        return None
+    return addr, size
+
+
+class ModelFilePins:
+    """Every file of each complete model folder under `roots` (a folder of model folders,
+    each complete once its config.json exists), locked as it appears, up to
+    `budget_bytes` in all; a background thread looks for new folders every `period_s`."""
+
+    def __init__(self, roots: list[Path], budget_bytes: int, period_s: float = 5.0) -> None:
+        self.roots = roots
+        self.budget_bytes = budget_bytes
+        self.period_s = period_s
+        self.locked: dict[Path, tuple[int, int]] = {}
+        self.refused: set[Path] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="model-file-pins", daemon=True)
+
+    @property
+    def locked_bytes(self) -> int:
+        return sum(size for _, size in self.locked.values())
+
+    def start(self) -> ModelFilePins:
+        self._thread.start()
+        return self
+
+    def scan(self) -> None:
+        for root in self.roots:
+            if not root.is_dir():
+                continue
+            for folder in sorted(root.iterdir()):
+                if folder.name.startswith(".") or not (folder / "config.json").is_file():
+                    continue
+                for path in sorted(folder.iterdir()):
+                    if path.is_file() and path not in self.locked and path not in self.refused:
+                        self._pin(path)
+
+    def _pin(self, path: Path) -> None:
+        if self.locked_bytes + path.stat().st_size > self.budget_bytes:
+            self.refused.add(path)
+            return
+        got = lock_file(path)
+        if got is None:
+            self.refused.add(path)
+        else:
+            self.locked[path] = got
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.scan()
+            except OSError as err:  # a folder replaced while we looked: next time
+                log.debug("model file pins: %s", err)
+            if self._stop.wait(self.period_s):
+                return
+
+    def stop(self) -> None:
+        """Unlock everything (a lock still in progress is left to the process's exit)."""
+        self._stop.set()
+        self._thread.join(30)
+        if not self._thread.is_alive():
+            for addr, size in self.locked.values():
+                _libc.munmap(addr, size)
+            self.locked.clear()
