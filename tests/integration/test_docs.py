@@ -39,6 +39,7 @@ import functools
 import io
 import os
 import re
+import runpy
 import shlex
 import shutil
 import signal
@@ -271,10 +272,21 @@ def check_cli(args: list[str], where: str) -> None:
 @cache
 @functools.cache  # many blocks name the same tool; its --help does not change
 def module_help(module: str) -> str:
-    result = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, f"python -m {module} --help: {result.stderr[-2000:]}"
-    return result.stdout
+    """What `python -m MODULE --help` prints, run in this process: a tool's imports (MLX,
+    mlx-lm) are already loaded here, and a fresh interpreter for each took 1-2 s."""
+    out, err = io.StringIO(), io.StringIO()
+    argv = sys.argv
+    sys.argv = [module, "--help"]
+    code: object = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as exc:  # argparse's --help ends with exit 0
+        code = exc.code
+    finally:
+        sys.argv = argv
+    assert code in (0, None), f"python -m {module} --help: exit {code}: {err.getvalue()[-2000:]}"
+    return out.getvalue()
 
 
 def check_static(cmd: Command, where: str) -> None:

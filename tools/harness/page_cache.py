@@ -5,8 +5,10 @@ kernel's proactive reclaim, DAMON), and read it back from a disk at ~30 MB/s: a 
 loads the medium model (306 MB) a minute after the last one waited ~10 s on the disk, and
 a test in a child cgroup could find the pages charged to its own cgroup on the way back
 (`tests/pressure/harness.warm_page_cache` charges them to the test process instead).
-`ModelFilePins` maps each model file read-only into this process and locks it (`mlock`):
-locked pages are never reclaimed, and they stay charged to this process's cgroup.
+`ModelFilePins` maps each model file read-only into this process and, once the file is in
+the page cache (a test has read it), locks it (`mlock`): locked pages are never reclaimed,
+so no later test reads them back, into its own cgroup or at all. It never reads a file from
+the disk itself: a run that uses one small model does not wait for the others.
 
 Best effort: where locking is not allowed (no CAP_IPC_LOCK and a small RLIMIT_MEMLOCK)
 or the budget is spent, a file is simply left alone.
@@ -30,12 +32,14 @@ _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_
                        ctypes.c_int, ctypes.c_long]
 _libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def lock_file(path: Path) -> tuple[int, int] | None:
-    """Map `path` read-only and lock it in memory: (address, size), or None (with the
-    reason logged at debug level) where that is not allowed."""
+def lock_cached_file(path: Path) -> tuple[int, int] | None:
+    """Map `path` read-only and, if every page of it is in the page cache, lock it in
+    memory: (address, size); None while it is not (all) cached. OSError where mapping or
+    locking is not allowed."""
     size = path.stat().st_size
     if size == 0:
         return None
@@ -45,26 +49,30 @@ def lock_file(path: Path) -> tuple[int, int] | None:
     finally:
         os.close(fd)  # the mapping keeps the file
     if addr in (None, _MAP_FAILED):
-        log.debug("mmap %s: %s", path, os.strerror(ctypes.get_errno()))
+        raise OSError(ctypes.get_errno(), f"mmap {path}")
+    resident = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+    # Bit 0 of each byte: the page is resident (Linux leaves the other bits 0).
+    if _libc.mincore(addr, size, resident) != 0 or b"\x00" in resident.raw:
+        _libc.munmap(addr, size)  # not read yet: not ours to read
         return None
     if _libc.mlock(addr, size) != 0:
-        log.debug("mlock %s: %s", path, os.strerror(ctypes.get_errno()))
+        errno = ctypes.get_errno()
         _libc.munmap(addr, size)
-        return None
+        raise OSError(errno, f"mlock {path}")
     return addr, size
 
 
 class ModelFilePins:
     """Every file of each complete model folder under `roots` (a folder of model folders,
-    each complete once its config.json exists), locked as it appears, up to
-    `budget_bytes` in all; a background thread looks for new folders every `period_s`."""
+    each complete once its config.json exists), locked once it is in the page cache, up
+    to `budget_bytes` in all; a background thread looks again every `period_s`."""
 
     def __init__(self, roots: list[Path], budget_bytes: int, period_s: float = 5.0) -> None:
         self.roots = roots
         self.budget_bytes = budget_bytes
         self.period_s = period_s
         self.locked: dict[Path, tuple[int, int]] = {}
-        self.refused: set[Path] = set()
+        self.refused: set[Path] = set()  # over the budget, or locking is not allowed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="model-file-pins", daemon=True)
 
@@ -91,10 +99,13 @@ class ModelFilePins:
         if self.locked_bytes + path.stat().st_size > self.budget_bytes:
             self.refused.add(path)
             return
-        got = lock_file(path)
-        if got is None:
+        try:
+            got = lock_cached_file(path)
+        except OSError as err:
+            log.debug("model file pins: %s", err)
             self.refused.add(path)
-        else:
+            return
+        if got is not None:
             self.locked[path] = got
 
     def _run(self) -> None:
