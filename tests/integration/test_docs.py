@@ -35,7 +35,6 @@ in the prose must be an option of some `plimsoll` verb. The server runs with
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import os
 import re
@@ -46,6 +45,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -270,7 +270,7 @@ def check_cli(args: list[str], where: str) -> None:
 
 
 @cache
-@functools.cache  # many blocks name the same tool; its --help does not change
+@cache  # many blocks name the same tool; its --help does not change
 def module_help(module: str) -> str:
     """What `python -m MODULE --help` prints, run in this process: a tool's imports (MLX,
     mlx-lm) are already loaded here, and a fresh interpreter for each took 1-2 s."""
@@ -279,7 +279,10 @@ def module_help(module: str) -> str:
     sys.argv = [module, "--help"]
     code: object = 0
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                warnings.catch_warnings():
+            # A tool a test imported already runs again as __main__, as `python -m` would.
+            warnings.filterwarnings("ignore", "'tools.", RuntimeWarning)
             runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exc:  # argparse's --help ends with exit 0
         code = exc.code
