@@ -344,6 +344,9 @@ def memory_config(args) -> MemoryConfig:
 def _refuse_bad_serve_flags(args) -> None:
     """Flags checkable without the server's modules: one CliError naming the first bad one."""
     from memory.plans.admission import validate_scheduler_settings
+
+    if args.max_sessions_per_owner is not None and args.max_sessions_per_owner <= 0:
+        raise CliError(f"--max-sessions-per-owner must be > 0, got {args.max_sessions_per_owner}")
     try:
         validate_scheduler_settings(args.scheduler_mode, args.max_num_seqs,
                                     queue_limit=args.admission_queue_limit)
@@ -373,6 +376,8 @@ def _refuse_bad_serve_flags(args) -> None:
 
 
 def _serve(args) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Settings that need none of the server's modules are checked first: a bad memory or
     # access setting, or a limit out of range, fails at once, before MLX and mlx-lm load.
     memory = memory_config(args)
@@ -393,8 +398,6 @@ def _serve(args) -> int:
     from service.server import ServerConfig, serve
     from telemetry.setup import TelemetrySettings
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -437,8 +440,6 @@ def _serve(args) -> int:
     rt.max_leases_per_owner = args.max_leases_per_owner
     rt.max_reservations_per_owner = args.max_reservations_per_owner
     rt.max_sessions_per_owner = args.max_sessions_per_owner
-    if args.max_sessions_per_owner is not None and args.max_sessions_per_owner <= 0:
-        raise CliError(f"--max-sessions-per-owner must be > 0, got {args.max_sessions_per_owner}")
     rt.session_disk_dir = args.session_disk_dir
     rt.session_disk_cap_bytes = int(args.session_disk_gb * 1024**3)
     rt.session_disk_write_bytes_per_hour = (int(args.session_disk_write_gb_per_hour * 1024**3)

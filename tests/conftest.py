@@ -20,7 +20,7 @@ from engine.cache_dir import cache_root
 from engine.demo_models import ensure_demo_model
 from plimsoll.v1 import control_pb2_grpc, inference_pb2_grpc
 from telemetry.setup import setup
-from tools.harness.page_cache import ModelFilePins
+from tools.harness.page_cache import pinned_model_files
 from tools.harness.server import ROOT, ServerProcess, serving, start_server
 
 # Tests written before the harness moved import these from here; new ones import them
@@ -55,13 +55,12 @@ def captured() -> Captured:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def model_file_pins() -> Iterator[ModelFilePins]:
-    """The demo models' files stay in memory while the suite runs (tools/harness/page_cache):
-    they are loaded again and again, minutes apart."""
-    pins = ModelFilePins([cache_root() / "demo-models", cache_root() / "bench-models"],
-                         budget_bytes=2 << 30).start()
-    yield pins
-    pins.stop()
+def model_file_pins() -> Iterator[None]:
+    """The demo models' files stay in memory once a test has read them, for the rest of the
+    run (tools/harness/page_cache): they are loaded again and again, minutes apart."""
+    with pinned_model_files([cache_root() / "demo-models", cache_root() / "bench-models"],
+                            budget_bytes=2 << 30):
+        yield
 
 
 @pytest.fixture(scope="session")

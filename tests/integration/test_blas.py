@@ -364,9 +364,11 @@ def test_server_reports_its_blas_and_the_flag_gives_the_same_tokens(tmp_path, de
                "fisherman and his daughter.", "The quick brown fox", "def fibonacci(n):"]
     answers = {}
     sides = ((), (blas.FLAG,))
-    servers = [start_server(tmp_path, "--model", str(demo_path), "--model", str(small), *args,
-                            env=_env(), wait=False) for args in sides]  # side by side
+    servers = []
     try:
+        for args in sides:  # side by side
+            servers.append(start_server(tmp_path, "--model", str(demo_path), "--model",
+                                        str(small), *args, env=_env(), wait=False))
         wait_all_serving(servers)
         found = []
         for srv, args in zip(servers, sides, strict=True):
@@ -379,6 +381,10 @@ def test_server_reports_its_blas_and_the_flag_gives_the_same_tokens(tmp_path, de
                 answers[args] = {m: [_tokens(inference, m, p) for p in prompts]
                                  for m in models}
             found.append((args, info, srv.log()))
+    except BaseException:
+        for srv in servers:
+            print(f"server log tail:\n{srv.log()[-3000:]}", file=sys.stderr)
+        raise
     finally:
         for srv in servers:
             srv.stop()

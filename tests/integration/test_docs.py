@@ -269,7 +269,6 @@ def check_cli(args: list[str], where: str) -> None:
             pytest.fail(f"{where}: `plimsoll {shlex.join(args)}`: {exc}")
 
 
-@cache
 @cache  # many blocks name the same tool; its --help does not change
 def module_help(module: str) -> str:
     """What `python -m MODULE --help` prints, run in this process: a tool's imports (MLX,

@@ -94,7 +94,7 @@ def test_keep_alive_expires_renews_and_yields_to_pins(tmp_path, demo_path):
         lease = control.Pin(control_pb2.PinRequest(model_id="pinned", owner="t"),
                             timeout=10).lease
         assert not models(control)["pinned"].HasField("expire_time")
-        time.sleep(0.6)  # three times the keep-alive
+        time.sleep(0.8)  # four times the keep-alive
         assert "pinned" in loaded(control)
         control.Unpin(control_pb2.UnpinRequest(lease_id=lease.lease_id), timeout=10)
         wait_until(lambda: "pinned" not in loaded(control))
@@ -103,7 +103,7 @@ def test_keep_alive_expires_renews_and_yields_to_pins(tmp_path, demo_path):
         load(control, demo_path, "kept", keep=0.2)
         generate(inference, "kept", keep=-1)
         assert not models(control)["kept"].HasField("keep_alive")
-        time.sleep(0.6)  # three times the keep-alive it was loaded with
+        time.sleep(0.8)  # four times the keep-alive it was loaded with
         assert "kept" in loaded(control)
 
 

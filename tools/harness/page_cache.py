@@ -9,6 +9,9 @@ a test in a child cgroup could find the pages charged to its own cgroup on the w
 the page cache (a test has read it), locks it (`mlock`): locked pages are never reclaimed,
 so no later test reads them back, into its own cgroup or at all. It never reads a file from
 the disk itself: a run that uses one small model does not wait for the others.
+`pinned_model_files` runs it in a child process, so that the locked pages count in that
+process's memory and not in the caller's (an in-process server reads the test process's
+own RSS). They do leave the machine's MemAvailable: at most the budget.
 
 Best effort: where locking is not allowed (no CAP_IPC_LOCK and a small RLIMIT_MEMLOCK)
 or the budget is spent, a file is simply left alone.
@@ -21,7 +24,11 @@ import ctypes.util
 import logging
 import mmap
 import os
+import subprocess
+import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -40,9 +47,11 @@ def lock_cached_file(path: Path) -> tuple[int, int] | None:
     """Map `path` read-only and, if every page of it is in the page cache, lock it in
     memory: (address, size); None while it is not (all) cached. OSError where mapping or
     locking is not allowed."""
-    size = path.stat().st_size
-    if size == 0:
+    st = path.stat()
+    if st.st_size == 0 or st.st_uid != os.geteuid():
+        # mincore reports every page of a file the caller does not own as resident.
         return None
+    size = st.st_size
     fd = os.open(path, os.O_RDONLY)
     try:
         addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
@@ -118,10 +127,43 @@ class ModelFilePins:
                 return
 
     def stop(self) -> None:
-        """Unlock everything (a lock still in progress is left to the process's exit)."""
+        """Unlock everything; if the thread is still inside a lock after 30 s, nothing (the
+        process's exit unlocks it all)."""
         self._stop.set()
         self._thread.join(30)
         if not self._thread.is_alive():
             for addr, size in self.locked.values():
                 _libc.munmap(addr, size)
             self.locked.clear()
+
+
+def pin_until_stdin_closes(roots: list[str], budget_bytes: int) -> None:
+    """`ModelFilePins` in this process until its standard input closes: the process that
+    started it ended, however it ended."""
+    pins = ModelFilePins([Path(r) for r in roots], budget_bytes).start()
+    try:
+        sys.stdin.buffer.read()
+    finally:
+        pins.stop()
+
+
+_CHILD = ("import sys; from tools.harness.page_cache import pin_until_stdin_closes as run; "
+          "run(sys.argv[2:], int(sys.argv[1]))")
+
+
+@contextmanager
+def pinned_model_files(roots: list[Path], budget_bytes: int) -> Iterator[subprocess.Popen]:
+    """`ModelFilePins` over `roots` in a child process for the duration of the block."""
+    root = Path(__file__).resolve().parent.parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(budget_bytes),
+                             *map(str, roots)], cwd=root, stdin=subprocess.PIPE)
+    try:
+        yield proc
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        try:
+            proc.wait(40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
