@@ -23,6 +23,7 @@ from engine import blas
 from engine.cache_dir import CACHE_ENV
 from engine.demo_models import ensure_demo_model
 from plimsoll.v1 import control_pb2, inference_pb2
+from tests.support.processes import run_side_by_side
 from tools.bench_blas import LOGITS_ATOL, compare_greedy
 from tools.harness.server import ROOT, start_server, wait_all_serving
 
@@ -81,20 +82,12 @@ def test_mlx_binds_its_blas_calls_to_the_shim_or_mkl_only_when_on(tmp_path):
     if HAVE_MKL:
         sides.append(("mkl", "libmkl_rt"))
     # Side by side: the dynamic linker's logging makes each run slow.
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT,
-                              env=_env(PLIMSOLL_BLAS=setting, LD_DEBUG="bindings",
-                                       LD_DEBUG_OUTPUT=str(tmp_path / setting)),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-             for setting, _ in sides]
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=120)
-            assert proc.returncode == 0, err[-3000:]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    runs = run_side_by_side(
+        [[sys.executable, "-c", textwrap.dedent(code)]] * len(sides), cwd=ROOT, timeout=120,
+        envs=[_env(PLIMSOLL_BLAS=setting, LD_DEBUG="bindings",
+                   LD_DEBUG_OUTPUT=str(tmp_path / setting)) for setting, _ in sides])
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
     for setting, want in sides:
         text = "".join(p.read_text(errors="replace") for p in tmp_path.glob(f"{setting}.*"))
         sgemm = [ln for ln in text.splitlines()

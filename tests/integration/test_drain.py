@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -36,6 +35,7 @@ from service.server import (
     PlimsollServer,
     ServerConfig,
 )
+from tests.support.processes import run_side_by_side
 from tools.harness.server import ROOT, start_server
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -181,18 +181,8 @@ assert asyncio.run(wait_threads_gone([t], 10))
 
 def test_interpreter_exit_after_an_mlx_thread_is_gone_is_clean():
     # Four interpreters (an exit-time race shows in some runs only), side by side.
-    procs = [subprocess.Popen([sys.executable, "-c", _THREAD_EXIT], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for _ in range(4)]
-    try:
-        for proc in procs:
-            _, err = proc.communicate(timeout=60)
-            assert proc.returncode == 0, f"exit {proc.returncode}: {err[-2000:]}"
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    for r in run_side_by_side([[sys.executable, "-c", _THREAD_EXIT]] * 4, cwd=ROOT):
+        assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-2000:]}"
 
 
 async def test_health_follows_the_default_model_and_lists(demo_path):

@@ -26,6 +26,7 @@ import pytest
 
 from plimsoll.v1 import control_pb2
 from service import cli
+from tests.support.processes import run_side_by_side
 from tests.unit.test_plot import png_size
 from tools.harness.cgroup import CgroupUnavailable, ChildCgroup, limit_for_ceiling
 from tools.harness.server import ROOT, ServerProcess, serving, start_server
@@ -201,17 +202,7 @@ def test_without_a_terminal_it_prints_lines_and_json_lines(tmp_path, srv):
     line per stream message, samples included."""
     base = [sys.executable, "-m", "service.cli", "watch", "--port", str(srv.port),
             "--duration", "2"]
-    runs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True) for cmd in (base, [*base, "--json"])]  # side by side
-    try:
-        outs = [r.communicate(timeout=60) for r in runs]
-        plain, as_json = (subprocess.CompletedProcess(r.args, r.returncode, *out)
-                          for r, out in zip(runs, outs, strict=True))
-    finally:
-        for r in runs:
-            if r.poll() is None:
-                r.kill()
-                r.wait()
+    plain, as_json = run_side_by_side([base, [*base, "--json"]], cwd=ROOT)
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.startswith("connected: snapshot at sequence "), plain.stdout
     assert "soft" in plain.stdout and "ceiling 8192.0 MiB" in plain.stdout
