@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from engine import allocator, fast_prefill, kv_snapshot
+from engine import allocator, compiled_decode, fast_prefill, kv_snapshot
 from engine.demo_models import dtype_bytes
 from engine.errors import (
     ENGINE_ERROR,
@@ -78,6 +78,9 @@ class EngineSettings:
     # quantized layers, and for cache-sized dense half-precision ones with fast_decode_dense.
     fast_decode: str = "auto"
     fast_decode_dense: bool = False
+    # A decode step's RoPE and RMSNorm as fused MLX kernels (Linux CPU, engine/compiled_decode.py);
+    # the same logits, fewer operations per step. False keeps the stock ops.
+    compiled_decode: bool = True
 
 
 def _stop_sequences(req: GenerationRequest, eos: StopSequences, no_stop: StopSequences,
@@ -257,6 +260,7 @@ class ModelEngine:
         self._stop_error: PlimsollError | None = None
         self.info: LoadedModel | None = None
         self.fast_prefill: fast_prefill.FastPrefill | None = None  # set at load
+        self.compiled_decode: compiled_decode.CompiledDecode | None = None  # set at load
         # How many sequences may hold KV at once; the enforcer walks it one step per
         # tick (down under pressure, back to max_num_seqs at ok). Inserts beyond it wait.
         self.batch_cap = self.settings.max_num_seqs
@@ -469,6 +473,8 @@ class ModelEngine:
         self.fast_prefill = plan
         info.prefill_conversion = plan.prefill_transient
         log.info("%s: %s", self.model_id, plan.summary())
+        self.compiled_decode = compiled_decode.install(info.model, enabled=s.compiled_decode)
+        log.info("%s: %s", self.model_id, self.compiled_decode.summary())
 
     def _end_failed_load(self, exc: BaseException) -> None:
         if isinstance(exc, Aborted):

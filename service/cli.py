@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill with MLX's own kernels only: no conversion of bf16/fp16/"
                    "quantized layers to float32 for the optimized BLAS, one at a time, and "
                    "no NumPy attention or SwiGLU (Linux CPU; see engine/fast_prefill.py)")
+    s.add_argument("--no-compiled-decode", dest="compiled_decode", action="store_false",
+                   help="decode with MLX's own RoPE and RMSNorm operations instead of one "
+                   "compiled kernel each (the same logits; Linux CPU; see "
+                   "engine/compiled_decode.py)")
     s.add_argument("--fast-decode-dense", action="store_true",
                    help="decode the cache-sized layers of bf16/fp16 models through float32 "
                    "copies and the optimized BLAS where that measures faster at load (2-2.5x "
@@ -413,6 +417,7 @@ def _serve(args) -> int:
                               prefill_step_size=args.prefill_step_size,
                               fast_prefill=args.fast_prefill,
                               fast_decode_dense=args.fast_decode_dense,
+                              compiled_decode=args.compiled_decode,
                               stream_interval_s=max(0.0, args.stream_interval_ms) / 1000),
         telemetry=TelemetrySettings(otlp_endpoint=args.otlp_endpoint),
         metrics_host=args.metrics_host,

@@ -537,6 +537,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "measure both in the same rounds, in alternating order",
     )
     p.add_argument(
+        "--ab-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="like --ab-env, with this extra `plimsoll serve` argument for the second "
+        "server (repeatable; combines with --ab-env)",
+    )
+    p.add_argument(
         "--server-env",
         action="append",
         default=[],
@@ -582,12 +590,12 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             servers = [stack.enter_context(serving(Path(tmp), *server_args, env=env,
                                                    timeout=300))]
-            if args.ab_env:
+            if args.ab_env or args.ab_arg:
                 b_env = {**env, **dict(item.split("=", 1) for item in args.ab_env)}
-                servers.append(stack.enter_context(serving(Path(tmp), *server_args,
-                                                           env=b_env, timeout=300)))
+                servers.append(stack.enter_context(serving(
+                    Path(tmp), *server_args, *args.ab_arg, env=b_env, timeout=300)))
                 labels = ["A (" + (" ".join(args.server_env) or "as is") + ")",
-                          "B (" + " ".join(args.ab_env) + ")"]
+                          "B (" + " ".join(args.ab_env + args.ab_arg) + ")"]
             result = asyncio.run(bench(args, baseline, servers, prompts))
 
     all_rows: list[list[Row]] = result["rows"]
@@ -644,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": [asdict(r) for r in rows],
             "server_env": args.server_env,
             "ab_env": args.ab_env,
+            "ab_arg": args.ab_arg,
             "ab_rows": [asdict(r) for r in all_rows[1]] if len(all_rows) > 1 else [],
             "ab_tok_s_ratio": {str(a.streams): ab_ratio(a, b)
                                for a, b in zip(all_rows[0], all_rows[-1], strict=True)}

@@ -1,0 +1,90 @@
+"""A decode step in process, with the compiled RoPE and RMSNorm (engine/compiled_decode.py)
+and with MLX's stock ops, alternating on the same model in the same process.
+
+    python -m tools.bench_decode_step --models small-fp32,medium-fp32,small --batch 1,4
+
+Per model and batch size: the median step time of each side over the rounds, their ratio,
+and whether every step's logits were equal bit for bit. The optimized BLAS is loaded as
+the server loads it (engine/blas.py)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from engine import blas
+
+
+def _steps(model, prompts: list[list[int]], steps: int) -> tuple[list[float], list]:
+    import mlx.core as mx
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=steps + 1, stop_tokens=set())
+    uids = gen.insert(prompts, max_tokens=[steps + 1] * len(prompts))
+    times: list[float] = []
+    logits: dict[int, list] = {u: [] for u in uids}
+    try:
+        gen.next()  # the prefill and the first token
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            _, responses = gen.next()
+            mx.eval([r.logprobs for r in responses])
+            times.append(time.perf_counter() - t0)
+            for r in responses:
+                logits[r.uid].append(r.logprobs)
+    finally:
+        gen.close()
+    return times, [mx.stack(logits[u]) for u in uids]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="small-fp32,medium-fp32,small",
+                   help="demo sizes, SIZE-VARIANT for a variant (default: %(default)s)")
+    p.add_argument("--batch", default="1,4", help="sequences decoded together")
+    p.add_argument("--steps", type=int, default=32, help="decode steps per round")
+    p.add_argument("--rounds", type=int, default=6, help="rounds per side, alternating")
+    args = p.parse_args(argv)
+    print(f"BLAS: {blas.preload().description}", flush=True)
+    import mlx.core as mx
+
+    from engine import compiled_decode
+    from engine.demo_models import ensure_demo_model, ensure_demo_variant
+    from engine.loading import load_model
+
+    print("| model | batch | stock step (ms) | compiled step (ms) | stock / compiled | logits equal |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name in args.models.split(","):
+        size, _, variant = name.partition("-")
+        path = ensure_demo_variant(size, variant) if variant else ensure_demo_model(size)
+        model = load_model(str(path)).model
+        for batch in (int(b) for b in args.batch.split(",")):
+            prompts = [list(range(5 + i, 69 + 7 * i)) for i in range(batch)]
+            med: dict[bool, list[float]] = {True: [], False: []}
+            equal = True
+            for r in range(2 * args.rounds):
+                compiled = (r % 4) in (0, 3)  # ABBA
+                plan = compiled_decode.install(model, enabled=compiled)
+                if compiled and not plan.enabled:
+                    print(f"compiled decode ops unavailable: {plan.reason}", file=sys.stderr)
+                    return 1
+                try:
+                    times, logits = _steps(model, prompts, args.steps)
+                finally:
+                    compiled_decode.uninstall(plan)
+                med[compiled].append(statistics.median(times[2:]) * 1e3)
+                if r == 0:
+                    first = logits
+                else:
+                    equal &= all(mx.array_equal(a, b).item()
+                                 for a, b in zip(first, logits, strict=True))
+            s, c = statistics.median(med[False]), statistics.median(med[True])
+            print(f"| {name} | {batch} | {s:.2f} | {c:.2f} | {s / c:.3f} | "
+                  f"{'yes' if equal else 'NO'} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
