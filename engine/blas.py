@@ -23,7 +23,8 @@ The optimized BLAS is OpenBLAS from PyPI's `scipy-openblas32` wheel (`pip instal
 'plimsoll[blas]'`, Linux x86_64 and aarch64, ~30 MB). Its symbols carry a `scipy_` prefix,
 so MLX cannot bind to them directly: engine/cblas_shim.c defines the entry MLX calls for
 float32 products, `cblas_sgemm`, and forwards it — a one-row product (a decode step) to `sgemv`, which
-streams the weights ~3x faster than OpenBLAS's own one-row sgemm. The shim is compiled
+streams the weights ~3x faster than OpenBLAS's own one-row sgemm, and a product of two or
+three rows to one `sgemv` per row (1.5-2x OpenBLAS's sgemm there). The shim is compiled
 once into the cache folder by the first C compiler found (`$CC`, cc, gcc, clang, then the
 `ziglang` wheel the extra brings for machines without one). Without a compiler, or with
 `PLIMSOLL_BLAS=mkl`, Intel oneMKL from the `mkl` wheel (`[mkl]` extra, ~1 GB) is loaded
@@ -64,12 +65,17 @@ from engine.cache_dir import cache_root
 log = logging.getLogger(__name__)
 
 ENV = "PLIMSOLL_BLAS"
-# Multiply-adds from which the shim runs a product on every thread: one-row products
-# (gemv) and the rest (gemm). Below them one thread, which leaves the event loop and the
+# Multiply-adds from which the shim runs a product on every thread: products it sends to
+# gemv (per row) and the rest (gemm). Below them one thread, which leaves the event loop and the
 # clients a core (docs/benchmarks.md, "Optimized BLAS"). "GEMV,GEMM" overrides both.
 PARALLEL_ENV = "PLIMSOLL_BLAS_PARALLEL_MIN"
 GEMV_PARALLEL_MIN = 1 << 19
 GEMM_PARALLEL_MIN = 1 << 22
+# Products of at most this many rows go to sgemv, one call per row (1 = only one-row
+# products): on two to three rows that beats OpenBLAS's sgemm, from four it does not
+# (docs/benchmarks.md, "Two and three rows as sgemv"). The variable overrides it.
+GEMV_ROWS_ENV = "PLIMSOLL_BLAS_GEMV_ROWS"
+GEMV_ROWS = 3
 FLAG = "--no-optimized-blas"
 OFF_VALUES = frozenset({"reference", "off", "0", "false", "no", "none"})
 AUTO_VALUES = frozenset({"", "auto", "1", "on", "true", "yes"})
@@ -323,13 +329,15 @@ def _load_openblas(path: str, reason: str) -> BlasState:
                                           "OMP_NUM_THREADS")):
         set_threads(ctypes.c_int(usable_cpus()))
     threads = int(get_threads())
+    rows = gemv_rows()
     try:
         shim = ctypes.CDLL(str(shim_path))  # local first: bound before anyone can call it
         shim.plimsoll_cblas_bind(ctypes.cast(sgemm, ctypes.c_void_p),
                                  ctypes.cast(sgemv, ctypes.c_void_p),
                                  ctypes.cast(set_threads, ctypes.c_void_p),
                                  ctypes.c_int(threads),
-                                 *(ctypes.c_longlong(v) for v in parallel_min()))
+                                 *(ctypes.c_longlong(v) for v in parallel_min()),
+                                 ctypes.c_int(rows))
     except (OSError, AttributeError) as err:
         shim_path.unlink(missing_ok=True)  # a bad build is not kept for the next start
         raise ShimUnavailable(f"the CBLAS shim did not load: {err}") from err
@@ -350,7 +358,8 @@ def _load_openblas(path: str, reason: str) -> BlasState:
         kernels = (corename() or b"").decode(errors="replace").strip()
     version = ".".join(version.split(".")[:3])
     desc = f"OpenBLAS {version} (scipy-openblas32{', ' + kernels + ' kernels' if kernels else ''}" \
-        ", one-row products as gemv)"
+        + (", one-row products as gemv)" if rows == 1 else
+           f", products of up to {rows} rows as gemv)")
     return BlasState("openblas", version, desc, threads, True, reason, path)
 
 
@@ -483,6 +492,19 @@ def parallel_min() -> tuple[int, int]:
                     PARALLEL_ENV, raw, GEMV_PARALLEL_MIN, GEMM_PARALLEL_MIN)
         return GEMV_PARALLEL_MIN, GEMM_PARALLEL_MIN
     return gemv, gemm
+
+
+def gemv_rows() -> int:
+    """Rows up to which the shim sends a product to sgemv, a call per row: GEMV_ROWS, or
+    $PLIMSOLL_BLAS_GEMV_ROWS (1-64; a value that does not parse is logged, the default kept)."""
+    raw = os.environ.get(GEMV_ROWS_ENV, "").strip()
+    if not raw:
+        return GEMV_ROWS
+    if raw.isdigit() and 1 <= int(raw) <= 64:
+        return int(raw)
+    log.warning("%s=%r is not a whole number from 1 to 64; using %d", GEMV_ROWS_ENV, raw,
+                GEMV_ROWS)
+    return GEMV_ROWS
 
 
 def usable_cpus() -> int:

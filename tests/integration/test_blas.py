@@ -35,7 +35,8 @@ needs_openblas = pytest.mark.skipif(not HAVE_OPENBLAS,
                                     reason="needs the [blas] extra (Linux) and a compiler")
 # What this process chose must not leak into the children's choice.
 _OURS = ("PLIMSOLL_BLAS", "MKL_NUM_THREADS", "MKL_THREADING_LAYER", "MKL_INTERFACE_LAYER",
-         "OPENBLAS_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT", "PLIMSOLL_BLAS_PARALLEL_MIN")
+         "OPENBLAS_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT", "PLIMSOLL_BLAS_PARALLEL_MIN",
+         "PLIMSOLL_BLAS_GEMV_ROWS")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -147,10 +148,14 @@ def test_threads_follow_the_affinity_mask():
 
 
 @needs_openblas
-def test_the_shim_sends_one_row_products_to_gemv_and_the_rest_to_gemm():
+@pytest.mark.parametrize("gemv_rows", [None, "1"])
+def test_the_shim_sends_products_of_up_to_three_rows_to_gemv_and_the_rest_to_gemm(gemv_rows):
     """Through MLX itself: a one-row product (either layout of the weight, as a linear
-    layer or a plain matmul stores it) goes to sgemv, an 8-row one to sgemm; every result
-    matches NumPy in float64."""
+    layer or a plain matmul stores it) goes to sgemv, a three-row one to three sgemv
+    calls (either layout of the rows too), a four- or 8-row one to sgemm; every result
+    matches NumPy in float64. PLIMSOLL_BLAS_GEMV_ROWS=1 sends only one-row products."""
+    rows_as_gemv = int(gemv_rows or blas.GEMV_ROWS)
+    env = _env(**({blas.GEMV_ROWS_ENV: gemv_rows} if gemv_rows else {}))
     out = _python("""
         import json
         import numpy as np
@@ -165,6 +170,11 @@ def test_the_shim_sends_one_row_products_to_gemv_and_the_rest_to_gemm():
         for name, y, want, rows in (
             ("x @ w.T", X[:1] @ W.T, x[:1] @ w.T.astype(np.float64), 1),
             ("w.T[:1] @ w", W.T[:1] @ W, w.T[:1].astype(np.float64) @ w, 1),
+            ("x @ w.T (3 rows)", X[:3] @ W.T, x[:3].astype(np.float64) @ w.T, 3),
+            ("x.T[:, :3].T @ w.T (3 rows)", X.T[:, :3].T @ W.T,
+             x[:3].astype(np.float64) @ w.T, 3),
+            ("w.T[:3] @ w (3 rows)", W.T[:3] @ W, w.T[:3].astype(np.float64) @ w, 3),
+            ("x @ w.T (4 rows)", X[:4] @ W.T, x[:4].astype(np.float64) @ w.T, 4),
             ("x @ w.T (8 rows)", X @ W.T, x.astype(np.float64) @ w.T, 8),
         ):
             before = blas.shim_counts()
@@ -173,10 +183,11 @@ def test_the_shim_sends_one_row_products_to_gemv_and_the_rest_to_gemm():
             got[name] = {"gemm": after[0] - before[0], "gemv": after[1] - before[1],
                          "err": float(np.abs(np.array(y) - want).max()), "rows": rows}
         print(json.dumps(got))
-    """)
+    """, env)
     for name, r in json.loads(out).items():
         assert r["err"] < 1e-3, (name, r)
-        assert (r["gemv"], r["gemm"]) == ((1, 0) if r["rows"] == 1 else (0, 1)), (name, r)
+        want = (r["rows"], 0) if r["rows"] <= rows_as_gemv else (0, 1)
+        assert (r["gemv"], r["gemm"]) == want, (name, r)
 
 
 _THREADS_USED = """
@@ -209,6 +220,16 @@ def test_only_products_past_the_thresholds_run_on_every_thread():
     assert every["parallel"] == {"small": 1, "large": 1, "one_row": 1}, every
     high = json.loads(_python(_THREADS_USED, env | {blas.PARALLEL_ENV: "99999999,99999999"}))
     assert high["parallel"] == {"small": 0, "large": 0, "one_row": 0}, high
+
+
+def test_a_gemv_row_count_that_does_not_parse_keeps_the_default(monkeypatch, caplog):
+    for bad in ("many", "0", "65", "-2", "2.5"):
+        monkeypatch.setenv(blas.GEMV_ROWS_ENV, bad)
+        caplog.clear()
+        assert blas.gemv_rows() == blas.GEMV_ROWS
+        assert blas.GEMV_ROWS_ENV in caplog.text, bad
+    monkeypatch.setenv(blas.GEMV_ROWS_ENV, "8")
+    assert blas.gemv_rows() == 8
 
 
 def test_a_parallel_threshold_that_does_not_parse_keeps_the_defaults(monkeypatch, caplog):
