@@ -56,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.util import find_spec
 from pathlib import Path
@@ -371,6 +372,37 @@ def shim_counts() -> tuple[int, int, int] | None:
             counts = [ctypes.c_longlong() for _ in range(3)]
             lib.plimsoll_cblas_counts(*(ctypes.byref(c) for c in counts))
             return counts[0].value, counts[1].value, counts[2].value
+    return None
+
+
+HALF_BF16, HALF_F16 = 0, 1  # engine/cblas_shim.c's kinds
+HALF_ROWS = 32  # rows one call of the half-precision kernel takes
+
+
+def half_gemv() -> Callable[..., int] | None:
+    """The shim's half-precision decode product (`plimsoll_half_gemv` in
+    engine/cblas_shim.c) as a ctypes function, or None without the shim (MKL, the
+    reference BLAS, macOS). Its arguments: kind (HALF_BF16 / HALF_F16), rows (at most
+    HALF_ROWS), k, x pointer, x row stride, weight pointer, weight row stride, y pointer,
+    y row stride, first and end output column; it returns 0, or -1 for bad arguments."""
+    for lib in _handles:
+        fn = getattr(lib, "plimsoll_half_gemv", None)
+        if fn is not None:
+            if fn.restype is not ctypes.c_int or fn.argtypes is None:
+                p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+                fn.argtypes = [i, i, i, p, ll, p, ll, p, ll, i, i]
+                fn.restype = ctypes.c_int
+            return fn
+    return None
+
+
+def half_kernel_isa() -> str | None:
+    """Which half-precision kernel the shim runs on this CPU ("avx2" or "portable"), or
+    None without the shim."""
+    for lib in _handles:
+        fn = getattr(lib, "plimsoll_half_isa", None)
+        if fn is not None:
+            return "avx2" if fn() else "portable"
     return None
 
 

@@ -29,7 +29,17 @@ In a float32 model's last block the NumPy attention and SwiGLU stay MLX's lazy o
 (`_LastBlock`): mlx-lm evaluates only a prefill chunk's cache, so there they would compute
 a query, an attention and an MLP that nobody reads (5-16 % of a prefill).
 
-Decode steps (one token per sequence) take the stock path, except that a quantized model
+Decode rows of a dense bfloat16 or float16 layer (the LM head too) go through the CBLAS
+shim's half-precision kernel (engine/cblas_shim.c `plimsoll_half_gemv`) where that measures
+faster on the model's largest layer at load: it reads the weight as stored (no copy, no
+transient), widens a chunk at a time to float32 in the CPU's L1 cache and sums in float32;
+MLX's own half-precision product streams the weight at ~1.6-2.5 GB/s here, the kernel at
+5-9x that on one core. It runs eagerly (the layer's input is evaluated first), so a
+decode step is no longer one asynchronous graph; its float32 sums part from MLX's product
+only at near-tied greedy choices (docs/benchmarks.md). `decode_kernel=False`
+(`--no-decode-kernel`) keeps MLX's product.
+
+Otherwise decode steps (one token per sequence) take the stock path, except that a quantized model
 may decode through `quantized_matmul` on float32 activations and scales (MLX's float32
 quantized kernel is ~10x faster than its bfloat16 one), its LM head too, when that
 measures faster on the model's own largest layer at load (`DECODE_MARGIN`); that is lazy
@@ -125,6 +135,8 @@ class FastPrefill:
     # copy of the weight (lazy: one asynchronous graph per step, a layer's copy at a time).
     decode_shapes: frozenset[tuple[int, int]] = frozenset()
     decode_reason: str = "stock"
+    # Dense half-precision layers decode through the shim's kernel (`_half_decode_product`).
+    decode_half: bool = False
     layers: int = 0  # wrapped Linear / QuantizedLinear modules
     dtype: str = ""  # "bfloat16", "float16", "4-bit", ... (what was found)
     transient: ConversionTransient = field(default_factory=ConversionTransient)
@@ -188,6 +200,55 @@ def _dense_decode_product(x: mx.array, w: mx.array, bias: mx.array | None) -> mx
     return y.astype(x.dtype)
 
 
+_HALF_KINDS = {mx.bfloat16: blas.HALF_BF16, mx.float16: blas.HALF_F16}
+
+
+def _weight_bits(m: nn.Module) -> np.ndarray:
+    """The layer's half-precision weight as a NumPy uint16 view of MLX's own buffer (no
+    copy), made once."""
+    bits = m.__dict__.get("_half_bits")
+    if bits is None:
+        view = m["weight"].view(mx.uint16)
+        mx.eval(view)
+        bits = np.asarray(view)
+        object.__setattr__(m, "_half_bits", bits)
+    return bits
+
+
+def _half_decode_product(m: nn.Module, x: mx.array) -> mx.array:
+    """Decode rows of a dense bfloat16/float16 layer through the shim's kernel: the weight
+    read as stored, float32 sums (MLX's own half-precision product streams it at a fifth
+    to a tenth of the speed here). Runs now: x is evaluated first. What it adds is x and
+    y in float32 (rows x the layer's sides), freed with the step."""
+    w = m["weight"]
+    n, k = int(w.shape[0]), int(w.shape[1])
+    x32 = x.astype(mx.float32).reshape(-1, k)
+    mx.eval(x32)
+    xs = np.asarray(x32)
+    rows = xs.shape[0]
+    y = np.empty((rows, n), dtype=np.float32)
+    bits = _weight_bits(m)
+    kernel = _half_kernel()
+    kind = _HALF_KINDS[w.dtype]
+    for r0 in range(0, rows, blas.HALF_ROWS):
+        r = min(blas.HALF_ROWS, rows - r0)
+        done = kernel(kind, r, k, xs[r0:].ctypes.data, k, bits.ctypes.data, k,
+                      y[r0:].ctypes.data, n, 0, n)
+        if done != 0:
+            raise RuntimeError(f"half-precision kernel refused a {r}x{k} @ {n}x{k} product")
+    out = mx.array(y)
+    if "bias" in m:
+        out = out + m["bias"].astype(mx.float32)
+    return out.reshape(*x.shape[:-1], n).astype(x.dtype)
+
+
+def _half_kernel() -> Callable[..., int]:
+    kernel = blas.half_gemv()
+    if kernel is None:
+        raise RuntimeError("the half-precision decode kernel needs the CBLAS shim")
+    return kernel
+
+
 class _FastLinear(nn.Linear):
     _fast_prefill: FastPrefill
     _decode_only = False  # a dense LM head: its prefill logits are never evaluated
@@ -199,8 +260,11 @@ class _FastLinear(nn.Linear):
             if not self._decode_only and _prefill_rows(x, plan):
                 plan.converted += 1
                 return _product(x, w.astype(mx.float32), self.get("bias"))
-            if x.ndim >= 2 and x.shape[-2] == 1 and tuple(w.shape) in plan.decode_shapes:
-                return _dense_decode_product(x, w, self.get("bias"))
+            if x.ndim >= 2 and x.shape[-2] == 1:
+                if plan.decode_half:
+                    return _half_decode_product(self, x)
+                if tuple(w.shape) in plan.decode_shapes:
+                    return _dense_decode_product(x, w, self.get("bias"))
         return nn.Linear.__call__(self, x)
 
 
@@ -672,6 +736,44 @@ def measure_decode(layers: list[nn.Module], plan: FastPrefill,
     return stock, fp32
 
 
+def measure_half_decode(layers: list[nn.Module], repeats: int = DECODE_REPEATS
+                        ) -> tuple[float, float] | None:
+    """(stock ms, kernel ms) of one decode row through the largest dense bfloat16/float16
+    layer, or None without such a layer or the shim's kernel."""
+    dense = [m for m in layers if _is_dense(m) and m["weight"].dtype in _HALF_KINDS]
+    if not dense or blas.half_gemv() is None:
+        return None
+    m = max(dense, key=lambda d: d["weight"].size)
+    x = mx.ones((1, 1, int(m["weight"].shape[1])), dtype=m["weight"].dtype)
+    try:
+        return (_time_ms(lambda: nn.Linear.__call__(m, x), repeats),
+                _time_ms(lambda: _half_decode_product(m, x), repeats))
+    finally:
+        mx.clear_cache()
+
+
+def _choose_half_decode(layers: list[nn.Module], decode: DecodeMode) -> tuple[bool, str]:
+    """Whether the dense half-precision layers (and a dense LM head) decode through the
+    shim's kernel, and the log's words for it ("" when there is nothing to choose)."""
+    dense = [m for m in layers if _is_dense(m) and m["weight"].dtype in _HALF_KINDS]
+    if not dense:
+        return False, ""
+    if blas.half_gemv() is None:
+        return False, "dense layers stock (no CBLAS shim for the half-precision kernel)"
+    if decode == "stock":
+        return False, ""
+    isa = blas.half_kernel_isa()
+    if decode == "fp32":
+        return True, f"dense layers through the {isa} half-precision kernel (set)"
+    timing = measure_half_decode(dense)
+    if timing is None:
+        return False, ""
+    stock, kernel = timing
+    chosen = kernel < DECODE_MARGIN * stock
+    return chosen, (f"dense layers {'through the ' + isa + ' half-precision kernel' if chosen else 'stock'} "
+                    f"(measured {stock:.2f} ms stock, {kernel:.2f} ms kernel)")
+
+
 def measure_dense_decode(layers: list[nn.Module], repeats: int = DECODE_REPEATS
                          ) -> dict[tuple[int, int], tuple[float, float]]:
     """(stock ms, float32 ms) of one decode row per distinct dense half-precision shape
@@ -740,6 +842,7 @@ def _with_decode_weight(plan: FastPrefill, blocks: list[nn.Module],
 
 def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT_MIN_TOKENS,
             decode: DecodeMode = "auto", decode_dense: bool = False,
+            decode_kernel: bool = True,
             kv_bytes_per_token: int = 0, kv_dtype_bytes: int = 2) -> FastPrefill:
     """Decide for this model and wrap its layers; binds the calling thread (the one that
     will run the model). Nothing is wrapped when the environment or the model do not
@@ -765,8 +868,9 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
         transient=transient_for(layers, kv_bytes_per_token, len(blocks), kv_dtype_bytes))
     quantized = any(_STOCK_CLASSES.get(type(m), type(m)) is nn.QuantizedLinear
                     for m in layers)
+    half, half_reason = _choose_half_decode(layers, decode if decode_kernel else "stock")
     heads = [m for m in _decode_heads(model, blocks)
-             if (decode_dense and _is_dense(m)) or (quantized and not _is_dense(m))]
+             if ((decode_dense or half) and _is_dense(m)) or (quantized and not _is_dense(m))]
     for m in layers + heads:
         m._fast_prefill = plan
         m.__class__ = _FAST_CLASSES[_STOCK_CLASSES.get(type(m), type(m))]
@@ -791,7 +895,14 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
                                   f"(measured {stock:.2f} ms stock, {fp32:.2f} ms float32)")
     else:
         plan.decode_reason = "stock (set)"
-    dense = _choose_dense_decode(plan, layers + heads, decode) if decode_dense else ""
+    if half:
+        plan.decode_half = True
+        plan.decode_reason = (half_reason if plan.decode_reason.startswith("stock (dense")
+                              else f"{plan.decode_reason}; {half_reason}")
+    elif half_reason:
+        plan.decode_reason = f"{plan.decode_reason}; {half_reason}"
+    dense = (_choose_dense_decode(plan, layers + heads, decode)
+             if decode_dense and not half else "")
     if dense:
         plan.decode_reason = (dense if plan.decode_reason.startswith("stock (dense")
                               else f"{plan.decode_reason}; {dense}")
@@ -839,6 +950,7 @@ def uninstall(plan: FastPrefill) -> None:
     _unmark_last_block(plan)
     plan.enabled = False
     plan.decode_fp32 = False
+    plan.decode_half = False
     plan.decode_shapes = frozenset()
     if getattr(_thread, "plan", None) is plan:
         _thread.plan = None

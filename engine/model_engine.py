@@ -78,6 +78,9 @@ class EngineSettings:
     # quantized layers, and for cache-sized dense half-precision ones with fast_decode_dense.
     fast_decode: str = "auto"
     fast_decode_dense: bool = False
+    # Decode rows of dense bfloat16/float16 layers through the CBLAS shim's kernel, where
+    # that measures faster at load (engine/fast_prefill.py); False keeps MLX's product.
+    fast_decode_kernel: bool = True
     # A decode step's RoPE and RMSNorm as fused MLX kernels (Linux CPU, engine/compiled_decode.py);
     # the same logits, fewer operations per step. False keeps the stock ops.
     compiled_decode: bool = True
@@ -467,6 +470,7 @@ class ModelEngine:
         plan = fast_prefill.install(
             info.model, enabled=s.fast_prefill, min_tokens=s.fast_prefill_min_tokens,
             decode=s.fast_decode, decode_dense=s.fast_decode_dense,
+            decode_kernel=s.fast_decode_kernel,
             kv_bytes_per_token=info.kv_bytes_per_token,
             kv_dtype_bytes=dtype_bytes(info.config.get("torch_dtype")
                                        or info.config.get("dtype")))

@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode with MLX's own RoPE and RMSNorm operations instead of one "
                    "compiled kernel each (the same logits; Linux CPU; see "
                    "engine/compiled_decode.py)")
+    s.add_argument("--no-decode-kernel", dest="decode_kernel", action="store_false",
+                   help="decode bfloat16/float16 layers with MLX's own product instead of "
+                   "the CBLAS shim's kernel (which reads the weights as stored, sums in "
+                   "float32, and is used where it measures faster at load; Linux CPU)")
     s.add_argument("--fast-decode-dense", action="store_true",
                    help="decode the cache-sized layers of bf16/fp16 models through float32 "
                    "copies and the optimized BLAS where that measures faster at load (2-2.5x "
@@ -418,6 +422,7 @@ def _serve(args) -> int:
                               fast_prefill=args.fast_prefill,
                               fast_decode_dense=args.fast_decode_dense,
                               compiled_decode=args.compiled_decode,
+                              fast_decode_kernel=args.decode_kernel,
                               stream_interval_s=max(0.0, args.stream_interval_ms) / 1000),
         telemetry=TelemetrySettings(otlp_endpoint=args.otlp_endpoint),
         metrics_host=args.metrics_host,

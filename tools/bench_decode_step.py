@@ -1,11 +1,15 @@
-"""A decode step in process, with the compiled RoPE and RMSNorm (engine/compiled_decode.py)
-and with MLX's stock ops, alternating on the same model in the same process.
+"""A decode step in process, one change on and off, alternating on the same model in the
+same process: `--compare compiled` (default), the compiled RoPE and RMSNorm
+(engine/compiled_decode.py) against MLX's stock ops; `--compare kernel`, the shim's
+half-precision decode kernel (engine/fast_prefill.py) against MLX's own product.
 
     python -m tools.bench_decode_step --models small-fp32,medium-fp32,small --batch 1,4
+    python -m tools.bench_decode_step --compare kernel --models small,medium --batch 1,4
 
 Per model and batch size: the median step time of each side over the rounds, their ratio,
-and whether every step's logits were equal bit for bit. The optimized BLAS is loaded as
-the server loads it (engine/blas.py)."""
+and whether every step's logits were equal bit for bit (for the kernel: the largest
+difference of the log-probabilities and whether the greedy tokens were the same). The
+optimized BLAS is loaded as the server loads it (engine/blas.py)."""
 
 from __future__ import annotations
 
@@ -46,16 +50,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1,4", help="sequences decoded together")
     p.add_argument("--steps", type=int, default=32, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=6, help="rounds per side, alternating")
+    p.add_argument("--compare", choices=("compiled", "kernel"), default="compiled")
     args = p.parse_args(argv)
     print(f"BLAS: {blas.preload().description}", flush=True)
     import mlx.core as mx
 
-    from engine import compiled_decode
+    from engine import compiled_decode, fast_prefill
     from engine.demo_models import ensure_demo_model, ensure_demo_variant
     from engine.loading import load_model
 
-    print("| model | batch | stock step (ms) | compiled step (ms) | stock / compiled | logits equal |")
-    print("|---|---:|---:|---:|---:|---|")
+    kernel = args.compare == "kernel"
+    if kernel:
+        print("| model | batch | stock step (ms) | kernel step (ms) | stock / kernel | "
+              "max logprob difference | tokens equal |")
+        print("|---|---:|---:|---:|---:|---:|---|")
+    else:
+        print("| model | batch | stock step (ms) | compiled step (ms) | stock / compiled | "
+              "logits equal |")
+        print("|---|---:|---:|---:|---:|---|")
     for name in args.models.split(","):
         size, _, variant = name.partition("-")
         path = ensure_demo_variant(size, variant) if variant else ensure_demo_model(size)
@@ -63,26 +75,47 @@ def main(argv: list[str] | None = None) -> int:
         for batch in (int(b) for b in args.batch.split(",")):
             prompts = [list(range(5 + i, 69 + 7 * i)) for i in range(batch)]
             med: dict[bool, list[float]] = {True: [], False: []}
+            logits_of: dict[bool, list] = {}
             equal = True
             for r in range(2 * args.rounds):
-                compiled = (r % 4) in (0, 3)  # ABBA
-                plan = compiled_decode.install(model, enabled=compiled)
-                if compiled and not plan.enabled:
-                    print(f"compiled decode ops unavailable: {plan.reason}", file=sys.stderr)
-                    return 1
+                on = (r % 4) in (0, 3)  # ABBA
+                if kernel:
+                    plan = fast_prefill.install(model, decode_kernel=on)
+                    if on and not plan.decode_half:
+                        print(f"kernel not chosen: {plan.decode_reason}", file=sys.stderr)
+                        return 1
+                    undo = fast_prefill.uninstall
+                else:
+                    plan = compiled_decode.install(model, enabled=on)
+                    if on and not plan.enabled:
+                        print(f"compiled decode ops unavailable: {plan.reason}",
+                              file=sys.stderr)
+                        return 1
+                    undo = compiled_decode.uninstall
                 try:
                     times, logits = _steps(model, prompts, args.steps)
                 finally:
-                    compiled_decode.uninstall(plan)
-                med[compiled].append(statistics.median(times[2:]) * 1e3)
-                if r == 0:
-                    first = logits
-                else:
+                    undo(plan)
+                med[on].append(statistics.median(times[2:]) * 1e3)
+                if on not in logits_of:
+                    logits_of[on] = logits
+                elif not kernel:
                     equal &= all(mx.array_equal(a, b).item()
-                                 for a, b in zip(first, logits, strict=True))
+                                 for a, b in zip(logits_of[on], logits, strict=True))
             s, c = statistics.median(med[False]), statistics.median(med[True])
-            print(f"| {name} | {batch} | {s:.2f} | {c:.2f} | {s / c:.3f} | "
-                  f"{'yes' if equal else 'NO'} |", flush=True)
+            if kernel:
+                pairs = list(zip(logits_of[True], logits_of[False], strict=True))
+                diff = max(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item()
+                           for a, b in pairs)
+                same = all(mx.array_equal(mx.argmax(a, axis=-1), mx.argmax(b, axis=-1)).item()
+                           for a, b in pairs)
+                print(f"| {name} | {batch} | {s:.2f} | {c:.2f} | {s / c:.3f} | {diff:.4f} | "
+                      f"{'yes' if same else 'no'} |", flush=True)
+            else:
+                equal &= all(mx.array_equal(a, b).item()
+                             for a, b in zip(logits_of[True], logits_of[False], strict=True))
+                print(f"| {name} | {batch} | {s:.2f} | {c:.2f} | {s / c:.3f} | "
+                      f"{'yes' if equal else 'NO'} |", flush=True)
     return 0
 
 

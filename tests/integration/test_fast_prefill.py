@@ -89,7 +89,9 @@ async def greedy(engine: ModelEngine, rid: str, ids: list[int]) -> list[int]:
 
 async def test_bf16_greedy_output_is_the_stock_paths_and_the_flag_turns_it_off(tiny_bf16):
     loop = asyncio.get_running_loop()
-    fast = ModelEngine("fast", str(tiny_bf16), loop, EngineSettings(prefill_step_size=STEP))
+    # The prefill path alone (decode on MLX's own product): its output is exactly stock.
+    fast = ModelEngine("fast", str(tiny_bf16), loop,
+                       EngineSettings(prefill_step_size=STEP, fast_decode_kernel=False))
     stock = ModelEngine("stock", str(tiny_bf16), loop,
                         EngineSettings(prefill_step_size=STEP, fast_prefill=False))
     try:
@@ -260,7 +262,8 @@ async def test_bf16_decode_through_float32_copies_keeps_the_stock_tokens(tiny_bf
     the weight; with the prefill left stock, greedy output is the stock path's."""
     loop = asyncio.get_running_loop()
     settings = EngineSettings(prefill_step_size=STEP, fast_decode="fp32",
-                              fast_decode_dense=True, fast_prefill_min_tokens=1 << 30)
+                              fast_decode_dense=True, fast_decode_kernel=False,
+                              fast_prefill_min_tokens=1 << 30)
     fast = ModelEngine("fast", str(tiny_bf16), loop, settings)
     stock = ModelEngine("stock", str(tiny_bf16), loop,
                         EngineSettings(prefill_step_size=STEP, fast_prefill=False))
@@ -290,7 +293,7 @@ def test_a_decode_step_holds_no_more_than_admission_counts(tiny_bf16):
     from mlx_lm.models.cache import make_prompt_cache
 
     model, _ = mlx_lm.load(str(tiny_bf16))
-    plan = fast_prefill.install(model, decode="fp32", decode_dense=True)
+    plan = fast_prefill.install(model, decode="fp32", decode_dense=True, decode_kernel=False)
     try:
         assert plan.decode_shapes
         cache = make_prompt_cache(model)
@@ -312,13 +315,14 @@ def test_dense_decode_is_measured_per_shape_at_load(tiny_bf16):
     import mlx_lm
 
     model, _ = mlx_lm.load(str(tiny_bf16))
-    off = fast_prefill.install(model, decode="auto")  # the default: dense decode stock
+    # Without the kernel (its own test below), dense decode stays stock by default.
+    off = fast_prefill.install(model, decode="auto", decode_kernel=False)
     try:
         assert off.decode_shapes == frozenset()
         assert not isinstance(model.lm_head, fast_prefill._FastLinear)
     finally:
         fast_prefill.uninstall(off)
-    plan = fast_prefill.install(model, decode="auto", decode_dense=True)
+    plan = fast_prefill.install(model, decode="auto", decode_dense=True, decode_kernel=False)
     try:
         assert "dense shapes" in plan.decode_reason
         shapes = {tuple(m.weight.shape) for _, m in model.named_modules()
@@ -329,7 +333,7 @@ def test_dense_decode_is_measured_per_shape_at_load(tiny_bf16):
     assert plan.decode_shapes == frozenset()
     stock = fast_prefill.install(model, decode="stock", decode_dense=True)
     try:
-        assert stock.decode_shapes == frozenset()
+        assert stock.decode_shapes == frozenset() and not stock.decode_half
     finally:
         fast_prefill.uninstall(stock)
 
