@@ -224,7 +224,7 @@ def _half_decode_product(m: nn.Module, x: mx.array) -> mx.array:
     n, k = int(w.shape[0]), int(w.shape[1])
     x32 = x.astype(mx.float32).reshape(-1, k)
     mx.eval(x32)
-    xs = np.asarray(x32)
+    xs = np.ascontiguousarray(np.asarray(x32))  # the kernel takes rows k floats apart
     rows = xs.shape[0]
     y = np.empty((rows, n), dtype=np.float32)
     bits = _weight_bits(m)
