@@ -385,15 +385,20 @@ def half_gemv() -> Callable[..., int] | None:
     reference BLAS, macOS). Its arguments: kind (HALF_BF16 / HALF_F16), rows (at most
     HALF_ROWS), k, x pointer, x row stride, weight pointer, weight row stride, y pointer,
     y row stride, first and end output column; it returns 0, or -1 for bad arguments."""
-    for lib in _handles:
-        fn = getattr(lib, "plimsoll_half_gemv", None)
-        if fn is not None:
-            if fn.restype is not ctypes.c_int or fn.argtypes is None:
+    global _half_fn
+    if _half_fn is None:
+        for lib in _handles:
+            fn = getattr(lib, "plimsoll_half_gemv", None)
+            if fn is not None:
                 p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
                 fn.argtypes = [i, i, i, p, ll, p, ll, p, ll, i, i]
                 fn.restype = ctypes.c_int
-            return fn
-    return None
+                _half_fn = fn
+                break
+    return _half_fn
+
+
+_half_fn: Callable[..., int] | None = None  # set once the shim is loaded and asked for
 
 
 def half_kernel_isa() -> str | None:

@@ -228,7 +228,9 @@ def _half_decode_product(m: nn.Module, x: mx.array) -> mx.array:
     rows = xs.shape[0]
     y = np.empty((rows, n), dtype=np.float32)
     bits = _weight_bits(m)
-    kernel = _half_kernel()
+    kernel = blas.half_gemv()
+    if kernel is None:
+        raise RuntimeError("the half-precision decode kernel needs the CBLAS shim")
     kind = _HALF_KINDS[w.dtype]
     for r0 in range(0, rows, blas.HALF_ROWS):
         r = min(blas.HALF_ROWS, rows - r0)
@@ -240,13 +242,6 @@ def _half_decode_product(m: nn.Module, x: mx.array) -> mx.array:
     if "bias" in m:
         out = out + m["bias"].astype(mx.float32)
     return out.reshape(*x.shape[:-1], n).astype(x.dtype)
-
-
-def _half_kernel() -> Callable[..., int]:
-    kernel = blas.half_gemv()
-    if kernel is None:
-        raise RuntimeError("the half-precision decode kernel needs the CBLAS shim")
-    return kernel
 
 
 class _FastLinear(nn.Linear):
