@@ -425,8 +425,10 @@ def build_shim() -> Path:
     for cc in compilers():
         tmp = folder / f".{out.name}.{os.getpid()}.tmp"
         # --no-undefined: a build that would need a library after all fails here, not at load.
-        cmd = [*cc, "-O2", "-shared", "-fPIC", "-nostdlib", "-Wl,--no-undefined",
-               "-o", str(tmp), str(SHIM_SOURCE)]
+        # No stack protector: compilers that turn it on by default would call libc's
+        # __stack_chk_fail, which a -nostdlib build has not got.
+        cmd = [*cc, "-O2", "-shared", "-fPIC", "-nostdlib", "-fno-stack-protector",
+               "-Wl,--no-undefined", "-o", str(tmp), str(SHIM_SOURCE)]
         try:
             done = subprocess.run(cmd, capture_output=True, timeout=120, check=False)
         except (OSError, subprocess.TimeoutExpired) as err:

@@ -99,7 +99,13 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
  * row, added in a fixed order). engine/fast_prefill.py calls it for decode rows.
  *
  * y[i, j] = x[i, :k] . w[j, :k]   for i < m (at most HALF_ROWS), j0 <= j < j1
+ *
+ * It needs vector conversions (GCC 9, any clang). An older compiler, or
+ * -DPLIMSOLL_NO_HALF_KERNEL, builds the shim without it: engine/blas.py then finds no
+ * plimsoll_half_gemv and decode keeps MLX's own product.
  */
+
+#if !defined(PLIMSOLL_NO_HALF_KERNEL) && (defined(__clang__) || __GNUC__ >= 9)
 
 typedef float v8f __attribute__((vector_size(32), aligned(4)));
 typedef unsigned short v8u16 __attribute__((vector_size(16), aligned(2)));
@@ -192,9 +198,9 @@ static float bf16_to_float(unsigned short h) {
 HALF_KERNEL(half_gemv_portable, , WIDEN8_PORTABLE)
 
 #if defined(__x86_64__)
-/* AVX2 + FMA, float16 through F16C's vcvtph2ps (GCC's builtin; clang lowers the
- * conversion of a _Float16 vector to it). */
-#if defined(__clang__)
+/* AVX2 + FMA, float16 through F16C's vcvtph2ps (GCC's builtin, as older clang's; clang
+ * 15 on lowers the conversion of a _Float16 vector to it). */
+#if defined(__clang__) && __clang_major__ >= 15
 typedef _Float16 v8f16 __attribute__((vector_size(16), aligned(2)));
 #define F16_TO_F32(p) __builtin_convertvector(*(const v8f16 *)(p), v8f)
 #else
@@ -271,3 +277,4 @@ int plimsoll_half_gemv(int kind, int m, int k, const float *x, i64 ldx,
   half_gemv_portable(kind, m, k, x, ldx, w, ldw, y, ldy, j0, j1);
   return 0;
 }
+#endif /* the half-precision kernel */

@@ -205,12 +205,15 @@ _HALF_KINDS = {mx.bfloat16: blas.HALF_BF16, mx.float16: blas.HALF_F16}
 
 def _weight_bits(m: nn.Module) -> np.ndarray:
     """The layer's half-precision weight as a NumPy uint16 view of MLX's own buffer (no
-    copy), made once."""
+    copy), made once. The kernel steps rows by the view's row stride; a weight whose rows
+    are not contiguous themselves (never one loaded from a file) is copied once."""
     bits = m.__dict__.get("_half_bits")
     if bits is None:
         view = m["weight"].view(mx.uint16)
         mx.eval(view)
         bits = np.asarray(view)
+        if bits.strides[1] != bits.itemsize or bits.strides[0] % bits.itemsize:
+            bits = np.ascontiguousarray(bits)
         object.__setattr__(m, "_half_bits", bits)
     return bits
 
@@ -234,8 +237,8 @@ def _half_decode_product(m: nn.Module, x: mx.array) -> mx.array:
     kind = _HALF_KINDS[w.dtype]
     for r0 in range(0, rows, blas.HALF_ROWS):
         r = min(blas.HALF_ROWS, rows - r0)
-        done = kernel(kind, r, k, xs[r0:].ctypes.data, k, bits.ctypes.data, k,
-                      y[r0:].ctypes.data, n, 0, n)
+        done = kernel(kind, r, k, xs[r0:].ctypes.data, k, bits.ctypes.data,
+                      bits.strides[0] // bits.itemsize, y[r0:].ctypes.data, n, 0, n)
         if done != 0:
             raise RuntimeError(f"half-precision kernel refused a {r}x{k} @ {n}x{k} product")
     out = mx.array(y)
@@ -753,10 +756,10 @@ def _choose_half_decode(layers: list[nn.Module], decode: DecodeMode) -> tuple[bo
     dense = [m for m in layers if _is_dense(m) and m["weight"].dtype in _HALF_KINDS]
     if not dense:
         return False, ""
-    if blas.half_gemv() is None:
-        return False, "dense layers stock (no CBLAS shim for the half-precision kernel)"
     if decode == "stock":
         return False, ""
+    if blas.half_gemv() is None:
+        return False, "dense layers stock (the BLAS in use has no half-precision kernel)"
     isa = blas.half_kernel_isa()
     if decode == "fp32":
         return True, f"dense layers through the {isa} half-precision kernel (set)"
@@ -941,6 +944,7 @@ def uninstall(plan: FastPrefill) -> None:
             m.__class__ = stock
             m.__dict__.pop("_fast_prefill", None)
             m.__dict__.pop("_decode_only", None)
+            m.__dict__.pop("_half_bits", None)
     plan.wrapped = []
     _unmark_last_block(plan)
     plan.enabled = False

@@ -275,6 +275,23 @@ def test_a_machine_with_no_c_compiler_builds_the_shim_with_the_ziglang_wheel(tmp
 
 
 @needs_openblas
+@pytest.mark.parametrize("flag", ["-fstack-protector-all", "-DPLIMSOLL_NO_HALF_KERNEL"])
+def test_the_shim_builds_whatever_the_compiler_adds(tmp_path, flag):
+    """A compiler that turns the stack protector on by default (Ubuntu's gcc) still links
+    the shim without libc; one without the half-precision kernel's vector builtins (GCC
+    before 9; forced here by the define) builds it without the kernel, and decode then
+    keeps MLX's own product."""
+    env = _env(CC=" ".join([*blas.compilers()[0], flag]), PLIMSOLL_CACHE_DIR=str(tmp_path))
+    got = json.loads(_python("""
+        import json
+        from engine import blas
+        print(json.dumps([blas.state().name, blas.half_gemv() is not None]))
+    """, env))
+    assert got == ["openblas", flag != "-DPLIMSOLL_NO_HALF_KERNEL"]
+    assert list((tmp_path / "blas").glob("cblas_shim-*.so"))
+
+
+@needs_openblas
 def test_a_broken_cached_shim_is_dropped_and_built_again(tmp_path):
     """A cached shim that does not load (a truncated file, say) is removed, the start falls
     back (MKL when there, else the reference) saying why, and the next start builds it."""

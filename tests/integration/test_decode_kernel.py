@@ -5,7 +5,9 @@ float64 NumPy, and real engines against MLX's own product."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import platform
 
 import mlx.core as mx
 import numpy as np
@@ -37,7 +39,7 @@ def _bits(w: np.ndarray, dtype: mx.Dtype) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 def test_the_kernel_matches_float64(portable, dtype):
     """Every row count up to 32, widths with and without a tail past the vector loop, a
-    range of output columns; float16's subnormals and infinities widen exactly."""
+    range of output columns, float16 subnormals among the weights."""
     shim = _shim()
     kind = blas.HALF_BF16 if dtype == mx.bfloat16 else blas.HALF_F16
     kernel = blas.half_gemv()
@@ -75,6 +77,47 @@ def test_the_kernel_matches_float64(portable, dtype):
                       y.ctypes.data, 1, 0, 1) == -1  # no such kind
     finally:
         shim.plimsoll_half_use_portable(0)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_every_half_precision_value_widens_exactly(portable, dtype):
+    """All 65,536 bit patterns (subnormals, infinities, NaNs among them), once in the
+    vector loop (column 0) and once in the scalar tail (column 32 of 33)."""
+    shim = _shim()
+    kind = blas.HALF_BF16 if dtype == mx.bfloat16 else blas.HALF_F16
+    patterns = np.arange(1 << 16, dtype=np.uint32)
+    if dtype == mx.float16:
+        want = patterns.astype(np.uint16).view(np.float16).astype(np.float32)
+    else:
+        want = (patterns << 16).view(np.float32)
+    try:
+        shim.plimsoll_half_use_portable(int(portable))
+        for column in (0, 32):
+            bits = np.zeros((patterns.size, 33), dtype=np.uint16)
+            bits[:, column] = patterns
+            x = np.zeros((1, 33), dtype=np.float32)
+            x[0, column] = 1.0
+            y = np.empty((1, patterns.size), dtype=np.float32)
+            assert blas.half_gemv()(kind, 1, 33, x.ctypes.data, 33, bits.ctypes.data, 33,
+                                    y.ctypes.data, patterns.size, 0, patterns.size) == 0
+            nan = np.isnan(want)
+            assert np.array_equal(np.isnan(y[0]), nan), column
+            assert np.array_equal(y[0][~nan], want[~nan]), column
+    finally:
+        shim.plimsoll_half_use_portable(0)
+
+
+def test_avx2_runs_where_the_cpu_has_it():
+    flags: set[str] = set()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    want = "avx2" if platform.machine() == "x86_64" and {"avx2", "fma", "f16c"} <= flags \
+        else "portable"
+    assert blas.half_kernel_isa() == want, sorted(flags & {"avx2", "fma", "f16c"})
 
 
 @pytest.fixture(scope="module")
