@@ -401,6 +401,53 @@ def half_gemv() -> Callable[..., int] | None:
 _half_fn: Callable[..., int] | None = None  # set once the shim is loaded and asked for
 
 
+def _shim_function(name: str, argtypes: list, restype) -> Callable[..., int] | None:
+    for lib in _handles:
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes, fn.restype = argtypes, restype
+            return fn
+    return None
+
+
+_half_lock = threading.Lock()
+
+
+def half_register(pointer: int, n: int, k: int, kind: int) -> int | None:
+    """Registers the n x k half-precision weight at `pointer` (rows k values apart) with
+    the shim, whose cblas_sgemm then runs the half-precision kernel for a float32 product
+    with that pointer as its weight (engine/cblas_shim.c, "shown to MLX as float32 ones").
+    The caller keeps the buffer alive until `half_unregister`. The slot, or None without
+    the shim or a free slot."""
+    fn = _shim_function("plimsoll_half_register",
+                        [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int],
+                        ctypes.c_int)
+    if fn is None:
+        return None
+    with _half_lock:
+        slot = fn(pointer, n, k, kind)
+    return slot if slot >= 0 else None
+
+
+def half_unregister(slot: int) -> None:
+    fn = _shim_function("plimsoll_half_unregister", [ctypes.c_int], None)
+    if fn is not None:
+        with _half_lock:
+            fn(slot)
+
+
+def half_calls() -> int:
+    """Products the shim has run for registered half-precision weights since the load."""
+    fn = _shim_function("plimsoll_half_calls", [], ctypes.c_longlong)
+    return int(fn()) if fn is not None else 0
+
+
+def half_registered() -> int:
+    """Half-precision weights registered with the shim now."""
+    fn = _shim_function("plimsoll_half_registered", [], ctypes.c_int)
+    return int(fn()) if fn is not None else 0
+
+
 def half_kernel_isa() -> str | None:
     """Which half-precision kernel the shim runs on this CPU ("avx2" or "portable"), or
     None without the shim."""

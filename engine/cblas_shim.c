@@ -65,9 +65,15 @@ void plimsoll_cblas_counts(i64 *gemm, i64 *gemv, i64 *parallel) {
   *parallel = parallel_calls;
 }
 
+static int half_disguised(int m, int n, int k, const float *a, const float *b, float *c,
+                          int ldc);
+
 void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
                  const float *a, int lda, const float *b, int ldb, float beta, float *c,
                  int ldc) {
+  if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && alpha == 1.f &&
+      beta == 0.f && lda == k && ldb == k && half_disguised(m, n, k, a, b, c, ldc))
+    return;
   if (m >= 1 && m <= gemv_rows && k > 0 && order == ROW_MAJOR && target_sgemv) {
     use_threads((i64)n * k, gemv_parallel_min);
     /* Row i: c[i, :n] = alpha * op(a)[i, :k] @ op(b)[:k, :n] + beta * c[i, :n]. op(a)'s
@@ -94,9 +100,9 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float
  *
  * MLX's CPU product for a bfloat16 or float16 weight streams it at ~1.6-2.5 GB/s here. A
  * decode step's product (a few rows) is bound by reading the weight once, so this reads it
- * as stored, widens each chunk of a weight row to float32 in a buffer that stays in L1,
- * and takes its dot products with every row of x (float32 sums, four accumulators per
- * row, added in a fixed order). engine/fast_prefill.py calls it for decode rows.
+ * as stored, widens it to float32 in registers and multiplies it into every row of x
+ * (float32 sums, added in a fixed order). engine/fast_prefill.py has MLX call it for
+ * decode rows (below, "shown to MLX as float32 ones").
  *
  * y[i, j] = x[i, :k] . w[j, :k]   for i < m (at most HALF_ROWS), j0 <= j < j1
  *
@@ -112,7 +118,7 @@ typedef unsigned short v8u16 __attribute__((vector_size(16), aligned(2)));
 typedef short v8i16 __attribute__((vector_size(16), aligned(2)));
 typedef unsigned int v8u32 __attribute__((vector_size(32)));
 
-enum { HALF_BF16 = 0, HALF_F16 = 1, HALF_CHUNK = 512, HALF_ROWS = 32 };
+enum { HALF_BF16 = 0, HALF_F16 = 1, HALF_ROWS = 32 };
 
 static float half_to_float(unsigned short h) {
   unsigned sign = (unsigned)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, man = h & 0x3ffu;
@@ -140,62 +146,84 @@ static float bf16_to_float(unsigned short h) {
   return v.f;
 }
 
-/* The body, once per instruction set: WIDEN8(src, dst) widens 8 values. */
-#define HALF_KERNEL(NAME, ATTR, WIDEN8)                                                     \
-  ATTR static void NAME(int kind, int m, int k, const float *x, i64 ldx,                    \
-                        const unsigned short *w, i64 ldw, float *y, i64 ldy, int j0,         \
-                        int j1) {                                                           \
-    float buf[HALF_CHUNK] __attribute__((aligned(32)));                                     \
-    v8f acc[HALF_ROWS][4];                                                                  \
-    int kv = k & ~31;                                                                       \
+/* The body, once per instruction set (ATTR its target, WIDEN_F16(p) 8 float16 values as
+ * v8f). A weight row at a time (one sequential stream from memory, which the prefetcher
+ * follows best), against up to 4 rows of x at once: each 8 weights are widened once into
+ * a register and multiplied into every x row's accumulators (float32, 8 lanes; A of them
+ * per row, 8 * A values apart, so that 8 independent sums are in flight: 1 or 2 rows x 4,
+ * 3 or 4 rows x 2). MB and A are constants where a block is called, so the accumulators
+ * live in registers; x stays in L1. Lanes are added in a fixed order, then the scalar
+ * tail. */
+#define UNROLL _Pragma("GCC unroll 4")
+#define HALF_WIDEN(kind, p, WIDEN_F16)                                                      \
+  ((kind) == HALF_BF16 ? (v8f)(__builtin_convertvector(*(const v8u16 *)(p), v8u32) << 16)   \
+                       : WIDEN_F16(p))
+#define HALF_FUNCS(SUFFIX, ATTR, WIDEN_F16)                                                 \
+  ATTR static inline __attribute__((always_inline)) void block_##SUFFIX(                    \
+      const int kind, const int MB, const int A, int k, const float *x, i64 ldx,            \
+      const unsigned short *wr, float *y, i64 ldy) {                                        \
+    v8f acc[4][4];                                                                          \
+    UNROLL for (int i = 0; i < MB; i++)                                                     \
+      UNROLL for (int a = 0; a < A; a++) acc[i][a] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};         \
+    int ks = k / (8 * A) * (8 * A), kv = k & ~7;                                            \
+    for (int t = 0; t < ks; t += 8 * A) {                                                   \
+      UNROLL for (int a = 0; a < A; a++) {                                                  \
+        v8f wv = HALF_WIDEN(kind, wr + t + 8 * a, WIDEN_F16);                               \
+        UNROLL for (int i = 0; i < MB; i++)                                                 \
+          acc[i][a] += wv * *(const v8f *)(x + i * ldx + t + 8 * a);                        \
+      }                                                                                     \
+    }                                                                                       \
+    for (int t = ks; t < kv; t += 8) {                                                      \
+      v8f wv = HALF_WIDEN(kind, wr + t, WIDEN_F16);                                         \
+      UNROLL for (int i = 0; i < MB; i++) acc[i][0] += wv * *(const v8f *)(x + i * ldx + t);\
+    }                                                                                       \
+    UNROLL for (int i = 0; i < MB; i++) {                                                   \
+      v8f v = A == 4 ? (acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3])                    \
+                     : acc[i][0] + acc[i][1];                                               \
+      float s = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));          \
+      for (int t = kv; t < k; t++)                                                          \
+        s += (kind == HALF_BF16 ? bf16_to_float(wr[t]) : half_to_float(wr[t])) *            \
+             x[i * ldx + t];                                                                \
+      y[i * ldy] = s;                                                                       \
+    }                                                                                       \
+  }                                                                                         \
+                                                                                            \
+  ATTR static inline __attribute__((always_inline)) void rows_##SUFFIX(                     \
+      const int kind, int m, int k, const float *x, i64 ldx, const unsigned short *w,       \
+      i64 ldw, float *y, i64 ldy, int j0, int j1) {                                         \
     for (int j = j0; j < j1; j++) {                                                         \
       const unsigned short *wr = w + (i64)j * ldw;                                          \
-      for (int c = 0; c < kv; c += HALF_CHUNK) {                                            \
-        int e = c + HALF_CHUNK < kv ? c + HALF_CHUNK : kv;                                  \
-        for (int t = c; t < e; t += 8)                                                      \
-          WIDEN8(wr + t, buf + t - c);                                                      \
-        for (int i = 0; i < m; i++) {                                                       \
-          const float *xr = x + (i64)i * ldx + c;                                           \
-          const v8f *b = (const v8f *)buf, *p = (const v8f *)xr;                            \
-          v8f a0 = b[0] * p[0], a1 = b[1] * p[1], a2 = b[2] * p[2], a3 = b[3] * p[3];       \
-          for (int t = 4; t < (e - c) / 8; t += 4) {                                        \
-            a0 += b[t] * p[t];                                                              \
-            a1 += b[t + 1] * p[t + 1];                                                      \
-            a2 += b[t + 2] * p[t + 2];                                                      \
-            a3 += b[t + 3] * p[t + 3];                                                      \
-          }                                                                                 \
-          if (c) {                                                                          \
-            acc[i][0] += a0; acc[i][1] += a1; acc[i][2] += a2; acc[i][3] += a3;             \
-          } else {                                                                          \
-            acc[i][0] = a0; acc[i][1] = a1; acc[i][2] = a2; acc[i][3] = a3;                 \
-          }                                                                                 \
+      for (int i0 = 0; i0 < m; i0 += 4) {                                                   \
+        const float *xb = x + i0 * ldx;                                                     \
+        float *yb = y + i0 * ldy + j;                                                       \
+        switch (m - i0 < 4 ? m - i0 : 4) {                                                  \
+        case 1: block_##SUFFIX(kind, 1, 4, k, xb, ldx, wr, yb, ldy); break;                 \
+        case 2: block_##SUFFIX(kind, 2, 4, k, xb, ldx, wr, yb, ldy); break;                 \
+        case 3: block_##SUFFIX(kind, 3, 2, k, xb, ldx, wr, yb, ldy); break;                 \
+        default: block_##SUFFIX(kind, 4, 2, k, xb, ldx, wr, yb, ldy); break;                \
         }                                                                                   \
-      }                                                                                     \
-      for (int i = 0; i < m; i++) {                                                         \
-        float s = 0.f;                                                                      \
-        if (kv) {                                                                           \
-          v8f a = (acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3]);                        \
-          s = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));            \
-        }                                                                                   \
-        for (int t = kv; t < k; t++)                                                        \
-          s += (kind == HALF_BF16 ? bf16_to_float(wr[t]) : half_to_float(wr[t])) *           \
-               x[(i64)i * ldx + t];                                                         \
-        y[(i64)i * ldy + j] = s;                                                            \
       }                                                                                     \
     }                                                                                       \
+  }                                                                                         \
+                                                                                            \
+  ATTR static void half_gemv_##SUFFIX(int kind, int m, int k, const float *x, i64 ldx,      \
+                                      const unsigned short *w, i64 ldw, float *y, i64 ldy,  \
+                                      int j0, int j1) {                                     \
+    if (kind == HALF_BF16)                                                                  \
+      rows_##SUFFIX(HALF_BF16, m, k, x, ldx, w, ldw, y, ldy, j0, j1);                       \
+    else                                                                                    \
+      rows_##SUFFIX(HALF_F16, m, k, x, ldx, w, ldw, y, ldy, j0, j1);                        \
   }
 
-/* Portable: bfloat16 widens as a vector shift, float16 one value at a time. */
-#define WIDEN8_PORTABLE(src, dst)                                                           \
-  do {                                                                                      \
-    if (kind == HALF_BF16) {                                                                \
-      *(v8f *)(dst) = (v8f)(__builtin_convertvector(*(const v8u16 *)(src), v8u32) << 16);   \
-    } else {                                                                                \
-      for (int q = 0; q < 8; q++) (dst)[q] = half_to_float((src)[q]);                       \
-    }                                                                                       \
-  } while (0)
+/* Portable: float16 one value at a time. */
+#define F16_PORTABLE(p)                                                                     \
+  ({                                                                                        \
+    v8f v_;                                                                                 \
+    for (int q = 0; q < 8; q++) v_[q] = half_to_float((p)[q]);                              \
+    v_;                                                                                     \
+  })
 
-HALF_KERNEL(half_gemv_portable, , WIDEN8_PORTABLE)
+HALF_FUNCS(portable, , F16_PORTABLE)
 
 #if defined(__x86_64__)
 /* AVX2 + FMA, float16 through F16C's vcvtph2ps (GCC's builtin, as older clang's; clang
@@ -206,15 +234,8 @@ typedef _Float16 v8f16 __attribute__((vector_size(16), aligned(2)));
 #else
 #define F16_TO_F32(p) __builtin_ia32_vcvtph2ps256(*(const v8i16 *)(p))
 #endif
-#define WIDEN8_AVX2(src, dst)                                                               \
-  do {                                                                                      \
-    if (kind == HALF_BF16)                                                                  \
-      *(v8f *)(dst) = (v8f)(__builtin_convertvector(*(const v8u16 *)(src), v8u32) << 16);   \
-    else                                                                                    \
-      *(v8f *)(dst) = F16_TO_F32(src);                                                      \
-  } while (0)
 
-HALF_KERNEL(half_gemv_avx2, __attribute__((target("avx2,fma,f16c"))), WIDEN8_AVX2)
+HALF_FUNCS(avx2, __attribute__((target("avx2,fma,f16c"))), F16_TO_F32)
 
 static void cpuid(unsigned leaf, unsigned sub, unsigned r[4]) {
   __asm__ volatile("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3])
@@ -275,6 +296,82 @@ int plimsoll_half_gemv(int kind, int m, int k, const float *x, i64 ldx,
   }
 #endif
   half_gemv_portable(kind, m, k, x, ldx, w, ldw, y, ldy, j0, j1);
+  return 0;
+}
+
+/* -- half-precision weights shown to MLX as float32 ones -------------------------------
+ *
+ * Calling the kernel from Python costs a decode step one evaluation per product (and the
+ * copies in and out). Instead engine/fast_prefill.py registers a layer's weight here and
+ * hands MLX a float32 view of its bits, n x k/2, and the float32 activations reshaped to
+ * 2m x k/2: MLX's own float32 product then calls cblas_sgemm above with that weight, and
+ * the product is this kernel's, inside MLX's lazy graph. The real y fills the first m
+ * rows of the 2m x n output. Only a registered pointer takes this path, and
+ * engine/fast_prefill.py keeps each registered buffer alive until it unregisters it, so no
+ * other array can be at that address.
+ *
+ * Python registers under a lock; a product only ever finds a weight its own thread
+ * registered, so readers need no more than the pointer being written last. */
+enum { HALF_WEIGHTS = 4096 };
+static struct {
+  const void *volatile p;
+  int n, k, kind;
+} half_weights[HALF_WEIGHTS];
+static volatile int half_top; /* slots in use lie below */
+static i64 half_calls;
+
+/* A slot for the n x k weight of this kind at p (rows k values apart), or -1. */
+int plimsoll_half_register(const void *p, int n, int k, int kind) {
+  if (!p || n < 1 || k < 2 || (k & 1) || (kind != HALF_BF16 && kind != HALF_F16)) return -1;
+  for (int s = 0; s < HALF_WEIGHTS; s++) {
+    if (half_weights[s].p) continue;
+    half_weights[s].n = n;
+    half_weights[s].k = k;
+    half_weights[s].kind = kind;
+    __asm__ volatile("" ::: "memory");
+    half_weights[s].p = p;
+    if (s >= half_top) half_top = s + 1;
+    return s;
+  }
+  return -1;
+}
+
+void plimsoll_half_unregister(int slot) {
+  if (slot >= 0 && slot < HALF_WEIGHTS) half_weights[slot].p = 0;
+}
+
+/* Products that took this path since the load (tests and the install's check read it). */
+i64 plimsoll_half_calls(void) { return half_calls; }
+
+/* Weights registered now (tests read it). */
+int plimsoll_half_registered(void) {
+  int live = 0;
+  for (int s = 0; s < half_top; s++) live += half_weights[s].p != 0;
+  return live;
+}
+
+static int half_disguised(int m, int n, int k, const float *a, const float *b, float *c,
+                          int ldc) {
+  if (!half_top || m < 2 || (m & 1)) return 0;
+  for (int s = 0; s < half_top; s++) {
+    if (half_weights[s].p != b || half_weights[s].n != n || half_weights[s].k != 2 * k)
+      continue;
+    int rows = m / 2, kk = 2 * k, kind = half_weights[s].kind;
+    const unsigned short *w = (const unsigned short *)b;
+    for (int r0 = 0; r0 < rows; r0 += HALF_ROWS) {
+      int r = rows - r0 < HALF_ROWS ? rows - r0 : HALF_ROWS;
+      plimsoll_half_gemv(kind, r, kk, a + (i64)r0 * kk, kk, w, kk, c + (i64)r0 * ldc, ldc,
+                         0, n);
+    }
+    half_calls++;
+    return 1;
+  }
+  return 0;
+}
+#else
+static int half_disguised(int m, int n, int k, const float *a, const float *b, float *c,
+                          int ldc) {
+  (void)m, (void)n, (void)k, (void)a, (void)b, (void)c, (void)ldc;
   return 0;
 }
 #endif /* the half-precision kernel */

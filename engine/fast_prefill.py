@@ -32,12 +32,15 @@ a query, an attention and an MLP that nobody reads (5-16 % of a prefill).
 Decode rows of a dense bfloat16 or float16 layer (the LM head too) go through the CBLAS
 shim's half-precision kernel (engine/cblas_shim.c `plimsoll_half_gemv`) where that measures
 faster on the model's largest layer at load: it reads the weight as stored (no copy, no
-transient), widens a chunk at a time to float32 in the CPU's L1 cache and sums in float32;
-MLX's own half-precision product streams the weight at ~1.6-2.5 GB/s here, the kernel at
-5-9x that on one core. It runs eagerly (the layer's input is evaluated first), so a
-decode step is no longer one asynchronous graph; its float32 sums part from MLX's product
-only at near-tied greedy choices (docs/benchmarks.md). `decode_kernel=False`
-(`--no-decode-kernel`) keeps MLX's product.
+transient) and sums in float32; MLX's own half-precision product streams the weight at
+~1.6-2.5 GB/s here, the kernel at 20-28 GB/s on one core for one row. MLX itself calls it:
+the weight is registered with the shim and MLX multiplies by a float32 view of its bits
+(`_show_as_float32`), so a decode step stays one lazy graph. Such a step's attention runs
+its two products in float32 through the BLAS too (`_decode_attention`; MLX's
+half-precision product costs ~1 ms a layer for them), rounded where MLX's rounds. Its
+float32 sums part from MLX's product only at near-tied greedy choices
+(docs/benchmarks.md). `decode_kernel=False` (`--no-decode-kernel`) keeps MLX's product
+and attention.
 
 Otherwise decode steps (one token per sequence) take the stock path, except that a quantized model
 may decode through `quantized_matmul` on float32 activations and scales (MLX's float32
@@ -115,6 +118,7 @@ DECODE_REPEATS = 3
 # (the copy would be their transient) nor converted.
 DENSE_DECODE_MAX_BYTES = 32 << 20
 
+
 DecodeMode = str  # "auto" | "stock" | "fp32"
 DECODE_MODES = ("auto", "stock", "fp32")
 
@@ -135,7 +139,8 @@ class FastPrefill:
     # copy of the weight (lazy: one asynchronous graph per step, a layer's copy at a time).
     decode_shapes: frozenset[tuple[int, int]] = frozenset()
     decode_reason: str = "stock"
-    # Dense half-precision layers decode through the shim's kernel (`_half_decode_product`).
+    # Dense half-precision layers decode through the shim's kernel (`_half_decode_product`),
+    # those shown to it (`_show_layers`).
     decode_half: bool = False
     layers: int = 0  # wrapped Linear / QuantizedLinear modules
     dtype: str = ""  # "bfloat16", "float16", "4-bit", ... (what was found)
@@ -203,48 +208,129 @@ def _dense_decode_product(x: mx.array, w: mx.array, bias: mx.array | None) -> mx
 _HALF_KINDS = {mx.bfloat16: blas.HALF_BF16, mx.float16: blas.HALF_F16}
 
 
-def _weight_bits(m: nn.Module) -> np.ndarray:
-    """The layer's half-precision weight as a NumPy uint16 view of MLX's own buffer (no
-    copy), made once. The kernel steps rows by the view's row stride; a weight whose rows
-    are not contiguous themselves (never one loaded from a file) is copied once."""
-    bits = m.__dict__.get("_half_bits")
-    if bits is None:
-        view = m["weight"].view(mx.uint16)
-        mx.eval(view)
-        bits = np.asarray(view)
-        if bits.strides[1] != bits.itemsize or bits.strides[0] % bits.itemsize:
-            bits = np.ascontiguousarray(bits)
-        object.__setattr__(m, "_half_bits", bits)
-    return bits
+@dataclass
+class _Shown:
+    """A layer's half-precision weight registered with the shim, and the float32 view of
+    its bits that MLX multiplies by. Holding `weight` keeps the registered buffer alive."""
+
+    weight: mx.array
+    view: mx.array  # n x k/2 float32, MLX's own buffer
+    release: weakref.finalize  # unregisters once: here, or when the layer is collected
 
 
-def _half_decode_product(m: nn.Module, x: mx.array) -> mx.array:
+def _show_as_float32(m: nn.Module) -> mx.array | None:
+    """The float32 view (n x k/2) of a dense bfloat16/float16 layer's weight, registered
+    with the shim so that MLX's float32 product by it runs the half-precision kernel
+    (engine/cblas_shim.c, "shown to MLX as float32 ones"). Made once per weight; None
+    where it cannot be (an odd k, a weight MLX would copy, no free slot): the layer then
+    keeps MLX's own product."""
+    view = _shown_view(m)
+    if view is not None:
+        return view
+    w = m["weight"]
+    if w.ndim != 2 or w.dtype not in _HALF_KINDS or int(w.shape[1]) % 2:
+        return None
+    view, bits = w.view(mx.float32), w.view(mx.uint16)
+    mx.eval(view, bits)
+    shown, own = np.asarray(view), np.asarray(bits)
+    if (shown.ctypes.data != own.ctypes.data or not shown.flags.c_contiguous
+            or not own.flags.c_contiguous):
+        return None  # not the weight's own contiguous buffer: MLX would multiply a copy
+    n, k = int(w.shape[0]), int(w.shape[1])
+    slot = blas.half_register(shown.ctypes.data, n, k, _HALF_KINDS[w.dtype])
+    if slot is None:
+        return None
+    object.__setattr__(m, "_half_shown",
+                       _Shown(w, view, weakref.finalize(m, blas.half_unregister, slot)))
+    return view
+
+
+def _shown_view(m: nn.Module) -> mx.array | None:
+    """The layer's registered view while its weight is still the one registered."""
+    held: _Shown | None = m.__dict__.get("_half_shown")
+    if held is None:
+        return None
+    if held.weight is not m["weight"]:
+        _hide(m)  # replaced (a weight update): MLX's product from now on
+        return None
+    return held.view
+
+
+def _hide(m: nn.Module) -> None:
+    held = m.__dict__.pop("_half_shown", None)
+    if held is not None:
+        held.release()
+
+
+def _half_decode_product(view: mx.array, x: mx.array, bias: mx.array | None) -> mx.array:
     """Decode rows of a dense bfloat16/float16 layer through the shim's kernel: the weight
     read as stored, float32 sums (MLX's own half-precision product streams it at a fifth
-    to a tenth of the speed here). Runs now: x is evaluated first. What it adds is x and
-    y in float32 (rows x the layer's sides), freed with the step."""
+    to a tenth of the speed here). Lazy, like any MLX product: x's rows in float32, row i
+    spread over rows 2i and 2i+1 of a k/2-wide matrix (the shape MLX multiplies by the
+    n x k/2 view), and the real y in the first rows of the output. What it adds is x and
+    y in float32 (rows x the layer's sides, y twice), freed with the step."""
+    n, half = int(view.shape[0]), int(view.shape[1])
+    x32 = mx.contiguous(x.astype(mx.float32).reshape(-1, 2 * half))
+    rows = int(x32.shape[0])
+    y = (x32.reshape(2 * rows, half) @ view.T)[:rows]
+    if bias is not None:
+        y = y + bias.astype(mx.float32)
+    return y.reshape(*x.shape[:-1], n).astype(x.dtype)
+
+
+def _kernel_reference(m: nn.Module, x: mx.array) -> mx.array:
+    """The same product with the kernel called directly on NumPy arrays: what the install
+    checks the shown path against."""
     w = m["weight"]
     n, k = int(w.shape[0]), int(w.shape[1])
+    bits = w.view(mx.uint16)
     x32 = x.astype(mx.float32).reshape(-1, k)
-    mx.eval(x32)
-    xs = np.ascontiguousarray(np.asarray(x32))  # the kernel takes rows k floats apart
-    rows = xs.shape[0]
-    y = np.empty((rows, n), dtype=np.float32)
-    bits = _weight_bits(m)
+    mx.eval(bits, x32)
+    xs, ws = np.ascontiguousarray(np.asarray(x32)), np.ascontiguousarray(np.asarray(bits))
+    y = np.empty((xs.shape[0], n), dtype=np.float32)
     kernel = blas.half_gemv()
-    if kernel is None:
-        raise RuntimeError("the half-precision decode kernel needs the CBLAS shim")
-    kind = _HALF_KINDS[w.dtype]
-    for r0 in range(0, rows, blas.HALF_ROWS):
-        r = min(blas.HALF_ROWS, rows - r0)
-        done = kernel(kind, r, k, xs[r0:].ctypes.data, k, bits.ctypes.data,
-                      bits.strides[0] // bits.itemsize, y[r0:].ctypes.data, n, 0, n)
-        if done != 0:
-            raise RuntimeError(f"half-precision kernel refused a {r}x{k} @ {n}x{k} product")
+    for r0 in range(0, xs.shape[0], blas.HALF_ROWS):
+        r = min(blas.HALF_ROWS, xs.shape[0] - r0)
+        if kernel is None or kernel(_HALF_KINDS[w.dtype], r, k, xs[r0:].ctypes.data, k,
+                                    ws.ctypes.data, k, y[r0:].ctypes.data, n, 0, n) != 0:
+            raise RuntimeError("the half-precision kernel is not there or refused the product")
     out = mx.array(y)
     if "bias" in m:
         out = out + m["bias"].astype(mx.float32)
     return out.reshape(*x.shape[:-1], n).astype(x.dtype)
+
+
+def _shown_product_checks(m: nn.Module, view: mx.array) -> bool:
+    """One product through the shown path ran the kernel (the shim counted it) and gave
+    the direct call's result bit for bit: MLX handed the shim the registered weight."""
+    x = mx.random.normal((1, 1, int(m["weight"].shape[1])), key=mx.random.key(7)
+                         ).astype(m["weight"].dtype)
+    before = blas.half_calls()
+    got = _half_decode_product(view, x, m.get("bias"))
+    mx.eval(got)
+    if blas.half_calls() <= before:
+        return False
+    return bool(mx.array_equal(got, _kernel_reference(m, x)).item())
+
+
+def _show_layers(layers: list[nn.Module]) -> list[nn.Module]:
+    """Shows every layer it can (one product checked per distinct shape, and every layer
+    of a shape whose check fails hidden again); the layers shown."""
+    checked: dict[tuple[int, int], bool] = {}
+    shown = []
+    for m in layers:
+        view = _show_as_float32(m)
+        if view is None:
+            continue
+        shape = _shape(m)
+        if shape not in checked:
+            checked[shape] = _shown_product_checks(m, view)
+        if checked[shape]:
+            shown.append(m)
+        else:
+            _hide(m)
+    mx.clear_cache()
+    return shown
 
 
 class _FastLinear(nn.Linear):
@@ -259,8 +345,9 @@ class _FastLinear(nn.Linear):
                 plan.converted += 1
                 return _product(x, w.astype(mx.float32), self.get("bias"))
             if x.ndim >= 2 and x.shape[-2] == 1:
-                if plan.decode_half:
-                    return _half_decode_product(self, x)
+                view = _shown_view(self) if plan.decode_half else None
+                if view is not None:
+                    return _half_decode_product(view, x, self.get("bias"))
                 if tuple(w.shape) in plan.decode_shapes:
                     return _dense_decode_product(x, w, self.get("bias"))
         return nn.Linear.__call__(self, x)
@@ -467,8 +554,57 @@ def _numpy_mask_ok(mask: Any, q: mx.array, s_len: int) -> bool:
     return mask.ndim == 2 or mask.ndim == 3 and mask.shape[0] == 1
 
 
+def _decode_attention_ok(queries: mx.array, keys: mx.array, mask: Any, sinks: Any,
+                         cache: Any, kwargs: dict) -> bool:
+    """A decode step's attention in a half-precision model on a thread whose plan decodes
+    through the shim (`_decode_attention`)."""
+    plan: FastPrefill | None = getattr(_thread, "plan", None)
+    if (plan is None or not plan.decode_half or queries.ndim != 4 or queries.shape[2] != 1
+            or queries.dtype not in HALF or keys.dtype != queries.dtype or sinks is not None
+            or kwargs or hasattr(cache, "bits") or queries.shape[1] % keys.shape[1]
+            or 2 * keys.size * F32_BYTES > decode_attention_bytes(plan)):
+        return False
+    if mask is None:
+        return True
+    return (isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[1] == 1
+            and mask.shape[0] in (1, queries.shape[0]) and mask.shape[2] == 1
+            and mask.shape[3] == keys.shape[2]
+            and (mask.dtype == mx.bool_ or mask.dtype == queries.dtype))
+
+
+def decode_attention_bytes(plan: FastPrefill) -> int:
+    """How much a decode step's attention may copy to float32 (one layer's keys and
+    values of the whole batch): half the transient admission already counts for a prefill
+    chunk's converted layer (a decode step never runs beside one, and a lazy step may cast
+    the next layer's before freeing one's). A batch with more stays on MLX's attention:
+    on the medium demo model 16k tokens of context, on the small one 4k."""
+    return plan.transient.weight_bytes // 2
+
+
+def _decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                      mask: mx.array | None) -> mx.array:
+    """MLX's own half-precision attention for one query per sequence, with its two
+    products in float32 through the BLAS (MLX's half-precision product costs ~1 ms a
+    layer at any context here): the scaling in the queries' dtype, the scores and the
+    output rounded to it where MLX rounds them, MLX's precise softmax. Lazy. Differs
+    from the stock path only by the products' summation order."""
+    b, h, _, d = queries.shape
+    kv, dtype, f32 = keys.shape[1], queries.dtype, mx.float32
+    q = (queries * mx.array(scale, dtype=dtype)).astype(f32).reshape(b, kv, h // kv, d)
+    scores = (q @ keys.astype(f32).swapaxes(-1, -2)).astype(dtype)  # (B, KV, rep, S)
+    if mask is not None:
+        scores = (mx.where(mask, scores, mx.array(-mx.inf, dtype=dtype))
+                  if mask.dtype == mx.bool_ else scores + mask)
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    out = (weights.astype(f32) @ values.astype(f32)).astype(dtype)
+    return out.reshape(b, h, 1, d)
+
+
 def _sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
-    """mlx-lm's attention; a prefill chunk on a bound thread runs it in float32."""
+    """mlx-lm's attention; a prefill chunk on a bound thread runs it in float32, and so
+    do a decode step's products where the plan decodes through the shim."""
+    if _decode_attention_ok(queries, keys, mask, sinks, cache, kwargs):
+        return _decode_attention(queries, keys, values, scale, mask)
     if (queries.ndim != 4 or hasattr(cache, "bits") or kwargs
             or (plan := _prefill_plan(queries, 2)) is None):
         return _stock_sdpa(queries, keys, values, cache, scale, mask, sinks, **kwargs)
@@ -736,39 +872,46 @@ def measure_decode(layers: list[nn.Module], plan: FastPrefill,
 
 def measure_half_decode(layers: list[nn.Module], repeats: int = DECODE_REPEATS
                         ) -> tuple[float, float] | None:
-    """(stock ms, kernel ms) of one decode row through the largest dense bfloat16/float16
-    layer, or None without such a layer or the shim's kernel."""
-    dense = [m for m in layers if _is_dense(m) and m["weight"].dtype in _HALF_KINDS]
-    if not dense or blas.half_gemv() is None:
+    """(stock ms, kernel ms) of one decode row through the largest layer shown to the
+    shim (`_show_layers`), or None without one."""
+    shown = [(m, v) for m in layers if (v := _shown_view(m)) is not None]
+    if not shown:
         return None
-    m = max(dense, key=lambda d: d["weight"].size)
+    m, view = max(shown, key=lambda p: p[0]["weight"].size)
     x = mx.ones((1, 1, int(m["weight"].shape[1])), dtype=m["weight"].dtype)
     try:
         return (_time_ms(lambda: nn.Linear.__call__(m, x), repeats),
-                _time_ms(lambda: _half_decode_product(m, x), repeats))
+                _time_ms(lambda: _half_decode_product(view, x, m.get("bias")), repeats))
     finally:
         mx.clear_cache()
 
 
 def _choose_half_decode(layers: list[nn.Module], decode: DecodeMode) -> tuple[bool, str]:
     """Whether the dense half-precision layers (and a dense LM head) decode through the
-    shim's kernel, and the log's words for it ("" when there is nothing to choose)."""
+    shim's kernel, and the log's words for it ("" when there is nothing to choose). The
+    layers it takes are left shown to the shim; none when it says no."""
     dense = [m for m in layers if _is_dense(m) and m["weight"].dtype in _HALF_KINDS]
-    if not dense:
-        return False, ""
-    if decode == "stock":
+    if not dense or decode == "stock":
         return False, ""
     if blas.half_gemv() is None:
         return False, "dense layers stock (the BLAS in use has no half-precision kernel)"
+    shown = _show_layers(dense)
+    if not shown:
+        return False, "dense layers stock (the shim could not take their weights)"
     isa = blas.half_kernel_isa()
+    some = "" if len(shown) == len(dense) else f" {len(shown)} of {len(dense)}"
     if decode == "fp32":
-        return True, f"dense layers through the {isa} half-precision kernel (set)"
-    timing = measure_half_decode(dense)
+        return True, f"dense layers{some} through the {isa} half-precision kernel (set)"
+    timing = measure_half_decode(shown)
     if timing is None:
         return False, ""
     stock, kernel = timing
     chosen = kernel < DECODE_MARGIN * stock
-    return chosen, (f"dense layers {'through the ' + isa + ' half-precision kernel' if chosen else 'stock'} "
+    if not chosen:
+        for m in shown:
+            _hide(m)
+    return chosen, (f"dense layers{some} "
+                    f"{'through the ' + isa + ' half-precision kernel' if chosen else 'stock'} "
                     f"(measured {stock:.2f} ms stock, {kernel:.2f} ms kernel)")
 
 
@@ -875,6 +1018,9 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
     for m in heads:
         if isinstance(m, (_FastQuantizedLinear, _FastLinear)):
             m._decode_only = True
+    if half:
+        _show_layers([m for m in heads if _is_dense(m)])
+
     plan.wrapped = [weakref.ref(m) for m in layers + heads]
     _patch_modules(model)
     plan.bind_thread()
@@ -944,7 +1090,7 @@ def uninstall(plan: FastPrefill) -> None:
             m.__class__ = stock
             m.__dict__.pop("_fast_prefill", None)
             m.__dict__.pop("_decode_only", None)
-            m.__dict__.pop("_half_bits", None)
+            _hide(m)
     plan.wrapped = []
     _unmark_last_block(plan)
     plan.enabled = False

@@ -10,6 +10,7 @@ import ctypes
 import platform
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -143,24 +144,15 @@ async def test_engines_decode_through_it_and_part_from_stock_only_at_near_ties(t
         assert isinstance(head, fast_prefill._FastLinear) and head._decode_only
         assert not stock.fast_prefill.decode_half
         assert not isinstance(stock.info.model.lm_head, fast_prefill._FastLinear)
-        calls = {"n": 0}
-        product = fast_prefill._half_decode_product
-
-        def counted(m, x):
-            calls["n"] += 1
-            return product(m, x)
-
-        fast_prefill._half_decode_product = counted
-        try:
-            ids = prompts(fast.info.tokenizer)
-            got, want = await asyncio.gather(
-                asyncio.gather(*(greedy(fast, f"k{i}", p) for i, p in enumerate(ids))),
-                asyncio.gather(*(greedy(stock, f"s{i}", p) for i, p in enumerate(ids))))
-        finally:
-            fast_prefill._half_decode_product = product
+        before = blas.half_calls()  # counted by the shim: MLX's product ran the kernel
+        ids = prompts(fast.info.tokenizer)
+        got, want = await asyncio.gather(
+            asyncio.gather(*(greedy(fast, f"k{i}", p) for i, p in enumerate(ids))),
+            asyncio.gather(*(greedy(stock, f"s{i}", p) for i, p in enumerate(ids))))
         layers = sum(isinstance(m, fast_prefill._FastLinear)
                      for _, m in fast.info.model.named_modules())
-        assert calls["n"] >= layers * 20  # every dense layer and the head, every step
+        # every dense layer and the head, every step
+        assert blas.half_calls() - before >= layers * 20
         for p, a, b in zip(ids, got, want, strict=True):
             agree_but_at_a_near_tie(tiny_bf16, p, a, b)
     finally:
@@ -186,6 +178,144 @@ def test_the_choice_is_measured_at_load_and_can_be_turned_off(tiny_bf16):
         assert not off.decode_half and "kernel" not in off.decode_reason
     finally:
         fast_prefill.uninstall(off)
+
+
+def _bf16_linear(n: int, k: int, bias: bool) -> nn.Linear:
+    layer = nn.Linear(k, n, bias=bias)
+    layer.set_dtype(mx.bfloat16)
+    mx.eval(layer.parameters())
+    return layer
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_shown_weight_is_multiplied_by_the_kernel_inside_mlx(bias):
+    """MLX's float32 product by the registered view is the kernel's (the direct call's
+    result bit for bit, close to MLX's own product), lazily: nothing runs until eval.
+    Every row count up to HALF_ROWS and past it (the shim splits)."""
+    layer = _bf16_linear(40, 96, bias)
+    [shown] = fast_prefill._show_layers([layer])
+    view = fast_prefill._shown_view(shown)
+    try:
+        for rows in (1, 2, 3, 5, 32, 33):
+            x = mx.random.normal((rows, 1, 96), key=mx.random.key(rows)).astype(mx.bfloat16)
+            before = blas.half_calls()
+            got = fast_prefill._half_decode_product(view, x, layer.get("bias"))
+            assert blas.half_calls() == before  # lazy
+            mx.eval(got)
+            assert blas.half_calls() == before + 1
+            assert got.shape == (rows, 1, 40) and got.dtype == mx.bfloat16
+            assert mx.array_equal(got, fast_prefill._kernel_reference(layer, x)).item()
+            stock = nn.Linear.__call__(layer, x)
+            assert mx.allclose(got.astype(mx.float32), stock.astype(mx.float32),
+                               atol=0.05, rtol=0.02).item()
+    finally:
+        fast_prefill._hide(layer)
+
+
+def test_registrations_end_with_the_plan_the_layer_or_its_weight(tiny_bf16):
+    """uninstall unregisters every weight; so does dropping a model without it; a
+    layer whose weight is replaced is unregistered and goes back to MLX's product."""
+    import gc
+
+    import mlx_lm
+
+    base = blas.half_registered()
+    model, _ = mlx_lm.load(str(tiny_bf16))
+    plan = fast_prefill.install(model, decode="fp32")
+    dense = [m for _, m in model.named_modules() if isinstance(m, fast_prefill._FastLinear)]
+    assert plan.decode_half and blas.half_registered() == base + len(dense)
+    fast_prefill.uninstall(plan)
+    assert blas.half_registered() == base
+
+    plan = fast_prefill.install(model, decode="fp32")
+    layer = model.layers[0].mlp.down_proj
+    layer.weight = layer.weight * 1  # a weight update
+    assert fast_prefill._shown_view(layer) is None
+    assert blas.half_registered() == base + len(dense) - 1
+    x = mx.ones((1, 1, layer.weight.shape[1]), dtype=mx.bfloat16)
+    before = blas.half_calls()
+    assert mx.array_equal(layer(x), nn.Linear.__call__(layer, x)).item()
+    assert blas.half_calls() == before
+    del model, plan, layer, dense
+    gc.collect()
+    assert blas.half_registered() == base
+
+
+def test_unregistered_float32_products_are_left_to_the_blas():
+    """A float32 product whose weight was never registered (or no longer is) is OpenBLAS's
+    as before, even with the shapes a shown one has."""
+    layer = _bf16_linear(40, 96, False)
+    [shown] = fast_prefill._show_layers([layer])
+    view = fast_prefill._shown_view(shown)
+    x = mx.random.normal((2, 48), key=mx.random.key(3))
+    w = mx.random.normal((40, 48), key=mx.random.key(4))
+    before = blas.half_calls()
+    want = np.asarray(x).astype(np.float64) @ np.asarray(w).astype(np.float64).T
+    assert np.allclose(np.asarray(x @ w.T), want, atol=1e-4)
+    fast_prefill._hide(layer)
+    as_floats = np.asarray(view).astype(np.float64)  # the bits, read as float32
+    got = x @ view.T
+    mx.eval(got)
+    assert blas.half_calls() == before
+    ref = np.asarray(x).astype(np.float64) @ as_floats.T
+    assert np.allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-30, equal_nan=True)
+
+
+def _ulps(got: mx.array, want: mx.array) -> float:
+    """The largest difference in units of the dtype's last place at the largest |value|
+    of the same head's output (a score rounded the other way moves every output of the
+    head by about that much, a small one by as much as a large one)."""
+    eps = 2.0 ** (-7 if want.dtype == mx.bfloat16 else -10)
+    w = mx.abs(want.astype(mx.float32)).max(axis=-1, keepdims=True)
+    unit = 2.0 ** mx.floor(mx.log2(w)) * eps
+    return mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)) / unit).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("mask", [None, "bool", "additive"])
+def test_decode_attention_is_mlxs_own_but_for_the_summation_order(dtype, mask):
+    """One query per sequence, grouped heads, a batch with padding masks: within one unit
+    in the last place of MLX's own attention, and equal nearly everywhere."""
+    b, h, kv, s_len, d = 3, 8, 2, 203, 64
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(s_len), 4)
+    q = mx.random.normal((b, h, 1, d), key=k1).astype(dtype)
+    k = mx.random.normal((b, kv, s_len, d), key=k2).astype(dtype)
+    v = mx.random.normal((b, kv, s_len, d), key=k3).astype(dtype)
+    keep = mx.random.uniform(shape=(b, 1, 1, s_len), key=k4) > 0.2
+    m = {None: None, "bool": keep,
+         "additive": mx.where(keep, 0.0, -1e4).astype(dtype)}[mask]
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=d ** -0.5, mask=m)
+    got = fast_prefill._decode_attention(q, k, v, d ** -0.5, m)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert _ulps(got, want) <= 1.0
+    assert mx.mean((got == want).astype(mx.float32)).item() > 0.97
+
+
+def test_decode_attention_runs_only_where_the_plan_decodes_through_the_shim(tiny_bf16):
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(tiny_bf16))
+    q = mx.zeros((1, 4, 1, 32), dtype=mx.bfloat16)
+    k = mx.zeros((1, 2, 9, 32), dtype=mx.bfloat16)
+    ok = fast_prefill._decode_attention_ok
+    for decode, chosen in (("fp32", True), ("stock", False)):
+        plan = fast_prefill.install(model, decode=decode)
+        try:
+            assert plan.decode_half is chosen
+            assert ok(q, k, None, None, None, {}) is chosen
+            assert not ok(mx.zeros((1, 4, 2, 32), dtype=mx.bfloat16), k, None, None, None, {})
+            assert not ok(q.astype(mx.float32), k.astype(mx.float32), None, None, None, {})
+            assert not ok(q, k, "causal", None, None, {})
+            assert not ok(q, k, None, mx.zeros((4,)), None, {})  # attention sinks
+            if chosen:  # the float32 copies within what admission counts, and past it
+                fits = fast_prefill.decode_attention_bytes(plan) // (2 * 4 * 2 * 32)
+                assert ok(q, mx.zeros((1, 2, fits, 32), dtype=mx.bfloat16), None, None,
+                          None, {})
+                assert not ok(q, mx.zeros((1, 2, fits + 1, 32), dtype=mx.bfloat16), None,
+                              None, None, {})
+        finally:
+            fast_prefill.uninstall(plan)
+    assert not ok(q, k, None, None, None, {})  # no plan bound
 
 
 def test_serve_has_a_flag_that_turns_it_off():
