@@ -429,6 +429,33 @@ def half_register(pointer: int, n: int, k: int, kind: int) -> int | None:
     return slot if slot >= 0 else None
 
 
+SCALE_BF16, SCALE_F16, SCALE_F32 = 0, 1, 2  # engine/cblas_shim.c's scale kinds
+
+
+def quant_register(pointer: int, n: int, k: int, bits: int, group: int, scales: int,
+                   biases: int, scale_kind: int) -> int | None:
+    """Registers the n x k affine-quantized weight at `pointer` (rows k * bits / 8 bytes
+    apart, n x k/group scales and biases of `scale_kind` at those pointers) like
+    `half_register`; the slot, or None."""
+    p, i = ctypes.c_void_p, ctypes.c_int
+    fn = _shim_function("plimsoll_quant_register", [p, i, i, i, i, p, p, i], i)
+    if fn is None:
+        return None
+    with _half_lock:
+        slot = fn(pointer, n, k, bits, group, scales, biases, scale_kind)
+    return slot if slot >= 0 else None
+
+
+def quant_gemv() -> Callable[..., int] | None:
+    """The shim's affine-quantized decode product (`plimsoll_quant_gemv`), or None. Its
+    arguments: bits, group, scale kind, rows, k, x pointer (each row: k values, then its
+    k/group group sums), x row stride, weight, scales and
+    biases pointers, y pointer, y row stride, first and end output column."""
+    p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    return _shim_function("plimsoll_quant_gemv", [i, i, i, i, i, p, ll, p, p, p, p, ll, i, i],
+                          i)
+
+
 def half_unregister(slot: int) -> None:
     fn = _shim_function("plimsoll_half_unregister", [ctypes.c_int], None)
     if fn is not None:

@@ -65,14 +65,14 @@ void plimsoll_cblas_counts(i64 *gemm, i64 *gemv, i64 *parallel) {
   *parallel = parallel_calls;
 }
 
-static int half_disguised(int m, int n, int k, const float *a, const float *b, float *c,
-                          int ldc);
+static int shown_product(int order, int trans_a, int trans_b, int m, int n, int k,
+                         float alpha, const float *a, int lda, const float *b, int ldb,
+                         float beta, float *c, int ldc);
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
                  const float *a, int lda, const float *b, int ldb, float beta, float *c,
                  int ldc) {
-  if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && alpha == 1.f &&
-      beta == 0.f && lda == k && ldb == k && half_disguised(m, n, k, a, b, c, ldc))
+  if (shown_product(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
     return;
   if (m >= 1 && m <= gemv_rows && k > 0 && order == ROW_MAJOR && target_sgemv) {
     use_threads((i64)n * k, gemv_parallel_min);
@@ -299,79 +299,261 @@ int plimsoll_half_gemv(int kind, int m, int k, const float *x, i64 ldx,
   return 0;
 }
 
-/* -- half-precision weights shown to MLX as float32 ones -------------------------------
+/* -- affine-quantized decode products -------------------------------------------------
  *
- * Calling the kernel from Python costs a decode step one evaluation per product (and the
+ * MLX's CPU quantized product reads a 4-bit weight at ~4 GB/s with float32 activations
+ * (and ~0.4 with half-precision ones). A decode row's product through a weight quantized
+ * as MLX does it (affine: w = scale * q + bias per group of `group` values along k, q
+ * unsigned, packed low bits first in 32-bit words) is
+ *
+ *   y[i, j] = sum_g scale[j, g] * (q[j, g] . x[i, g]) + bias[j, g] * sum(x[i, g])
+ *
+ * so each row of a (x's row i at a + i * lda) holds x's k values and then its k/group
+ * group sums. The weight's words are read once and widened to float32 in registers, 8
+ * values at a time (a word broadcast to every lane, each lane shifting its own value
+ * out). */
+typedef int v8i32 __attribute__((vector_size(32)));
+enum { SCALE_BF16 = 0, SCALE_F16 = 1, SCALE_F32 = 2 };
+
+static inline float scale_at(int skind, const void *p, i64 idx) {
+  if (skind == SCALE_F32) return ((const float *)p)[idx];
+  unsigned short h = ((const unsigned short *)p)[idx];
+  return skind == SCALE_BF16 ? bf16_to_float(h) : half_to_float(h);
+}
+
+#define TO_F32(v) __builtin_convertvector((v8i32)(v), v8f)
+#define QUANT_FUNCS(SUFFIX, ATTR)                                                           \
+  ATTR static inline __attribute__((always_inline)) void qblock_##SUFFIX(                   \
+      const int bits, const int MB, int k, int group, int skind, const float *a, i64 lda,   \
+      const unsigned char *wr, i64 s0, const void *scales, const void *biases, float *y,    \
+      i64 ldy) {                                                                            \
+    const v8f zero = {0, 0, 0, 0, 0, 0, 0, 0};                                              \
+    v8f tot[4];                                                                             \
+    UNROLL for (int i = 0; i < MB; i++) tot[i] = zero;                                      \
+    int groups = k / group, gbytes = group * bits / 8;                                      \
+    for (int g = 0; g < groups; g++) {                                                      \
+      const unsigned char *wg = wr + (i64)g * gbytes;                                       \
+      v8f acc[4][2];                                                                        \
+      UNROLL for (int i = 0; i < MB; i++) acc[i][0] = acc[i][1] = zero;                     \
+      for (int t = 0; t < group; t += 16) {                                                 \
+        v8f q0, q1;                                                                         \
+        const unsigned *wd = (const unsigned *)(wg + t * bits / 8);                         \
+        if (bits == 4) { /* a word's 8 values, each lane shifting its own out */            \
+          const v8u32 sh = {0, 4, 8, 12, 16, 20, 24, 28};                                   \
+          v8u32 w0 = {wd[0], wd[0], wd[0], wd[0], wd[0], wd[0], wd[0], wd[0]};              \
+          v8u32 w1 = {wd[1], wd[1], wd[1], wd[1], wd[1], wd[1], wd[1], wd[1]};              \
+          q0 = TO_F32((w0 >> sh) & 15u);                                                    \
+          q1 = TO_F32((w1 >> sh) & 15u);                                                    \
+        } else {                                                                            \
+          const v8u32 sh = {0, 8, 16, 24, 0, 8, 16, 24};                                    \
+          v8u32 w0 = {wd[0], wd[0], wd[0], wd[0], wd[1], wd[1], wd[1], wd[1]};              \
+          v8u32 w1 = {wd[2], wd[2], wd[2], wd[2], wd[3], wd[3], wd[3], wd[3]};              \
+          q0 = TO_F32((w0 >> sh) & 255u);                                                   \
+          q1 = TO_F32((w1 >> sh) & 255u);                                                   \
+        }                                                                                   \
+        UNROLL for (int i = 0; i < MB; i++) {                                               \
+          const float *xr = a + i * lda + (i64)g * group + t;                               \
+          acc[i][0] += q0 * *(const v8f *)xr;                                               \
+          acc[i][1] += q1 * *(const v8f *)(xr + 8);                                         \
+        }                                                                                   \
+      }                                                                                     \
+      float sc = scale_at(skind, scales, s0 + g);                                           \
+      v8f sv = {sc, sc, sc, sc, sc, sc, sc, sc};                                            \
+      UNROLL for (int i = 0; i < MB; i++) tot[i] += sv * (acc[i][0] + acc[i][1]);           \
+    }                                                                                       \
+    UNROLL for (int i = 0; i < MB; i++) {                                                   \
+      v8f v = tot[i];                                                                       \
+      float r = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));          \
+      const float *xs = a + i * lda + k;                                                    \
+      for (int g = 0; g < groups; g++) r += scale_at(skind, biases, s0 + g) * xs[g];        \
+      y[i * ldy] = r;                                                                       \
+    }                                                                                       \
+  }                                                                                         \
+                                                                                            \
+  ATTR static inline __attribute__((always_inline)) void qrows_##SUFFIX(                    \
+      const int bits, int group, int skind, int m, int k, const float *a, i64 lda,          \
+      const unsigned char *w, const void *scales, const void *biases, float *y, i64 ldy,    \
+      int j0, int j1) {                                                                     \
+    i64 ldw = (i64)k * bits / 8, lds = k / group;                                           \
+    for (int j = j0; j < j1; j++) {                                                         \
+      const unsigned char *wr = w + j * ldw;                                                \
+      for (int i0 = 0; i0 < m; i0 += 4) {                                                   \
+        const float *ab = a + i0 * lda;                                                     \
+        float *yb = y + i0 * ldy + j;                                                       \
+        switch (m - i0 < 4 ? m - i0 : 4) {                                                  \
+        case 1: qblock_##SUFFIX(bits, 1, k, group, skind, ab, lda, wr, j * lds, scales,     \
+                                biases, yb, ldy); break;                                    \
+        case 2: qblock_##SUFFIX(bits, 2, k, group, skind, ab, lda, wr, j * lds, scales,     \
+                                biases, yb, ldy); break;                                    \
+        case 3: qblock_##SUFFIX(bits, 3, k, group, skind, ab, lda, wr, j * lds, scales,     \
+                                biases, yb, ldy); break;                                    \
+        default: qblock_##SUFFIX(bits, 4, k, group, skind, ab, lda, wr, j * lds, scales,    \
+                                 biases, yb, ldy); break;                                   \
+        }                                                                                   \
+      }                                                                                     \
+    }                                                                                       \
+  }                                                                                         \
+                                                                                            \
+  ATTR static void quant_gemv_##SUFFIX(int bits, int group, int skind, int m, int k,        \
+                                       const float *a, i64 lda, const unsigned char *w,     \
+                                       const void *scales, const void *biases, float *y,    \
+                                       i64 ldy, int j0, int j1) {                           \
+    if (bits == 4)                                                                          \
+      qrows_##SUFFIX(4, group, skind, m, k, a, lda, w, scales, biases, y, ldy, j0, j1);     \
+    else                                                                                    \
+      qrows_##SUFFIX(8, group, skind, m, k, a, lda, w, scales, biases, y, ldy, j0, j1);     \
+  }
+
+QUANT_FUNCS(portable, )
+#if defined(__x86_64__)
+QUANT_FUNCS(avx2, __attribute__((target("avx2,fma,f16c"))))
+#endif
+
+/* bits 4 or 8; group a multiple of 16 that divides k; skind SCALE_*. Returns -1 for
+ * arguments it does not take. */
+int plimsoll_quant_gemv(int bits, int group, int skind, int m, int k, const float *a,
+                        i64 lda, const void *w, const void *scales, const void *biases,
+                        float *y, i64 ldy, int j0, int j1) {
+  if ((bits != 4 && bits != 8) || group < 16 || group % 16 || k < group || k % group ||
+      skind < SCALE_BF16 || skind > SCALE_F32 || m < 1 || m > HALF_ROWS || j0 < 0 ||
+      j1 < j0 || lda < k + k / group)
+    return -1;
+#if defined(__x86_64__)
+  if (plimsoll_half_isa()) {
+    quant_gemv_avx2(bits, group, skind, m, k, a, lda, w, scales, biases, y, ldy, j0, j1);
+    return 0;
+  }
+#endif
+  quant_gemv_portable(bits, group, skind, m, k, a, lda, w, scales, biases, y, ldy, j0, j1);
+  return 0;
+}
+
+/* -- weights shown to MLX as float32 ones ----------------------------------------------
+ *
+ * Calling a kernel from Python costs a decode step one evaluation per product (and the
  * copies in and out). Instead engine/fast_prefill.py registers a layer's weight here and
- * hands MLX a float32 view of its bits, n x k/2, and the float32 activations reshaped to
- * 2m x k/2: MLX's own float32 product then calls cblas_sgemm above with that weight, and
- * the product is this kernel's, inside MLX's lazy graph. The real y fills the first m
- * rows of the 2m x n output. Only a registered pointer takes this path, and
- * engine/fast_prefill.py keeps each registered buffer alive until it unregisters it, so no
- * other array can be at that address.
+ * hands MLX a float32 view of its bits (n x K: K = k/2 for half precision, k * bits / 32
+ * for a quantized weight's words) and the float32 activations laid out as F x m rows of
+ * K (a real row spread over F of them: F = 2 for half precision, x's values and group
+ * sums rounded up for a quantized weight): MLX's own float32 product then calls
+ * cblas_sgemm above with that weight, and the product is the kernel's, inside MLX's lazy
+ * graph. The real y fills the first m rows of the F m x n output. Only a registered
+ * pointer takes this path, and engine/fast_prefill.py keeps each registered buffer alive
+ * until it unregisters it, so no other array can be at that address; a product by one in
+ * a shape it was not registered for gets NaN, not the BLAS's reading of its bits.
  *
  * Python registers under a lock; a product only ever finds a weight its own thread
  * registered, so readers need no more than the pointer being written last. */
-enum { HALF_WEIGHTS = 4096 };
+enum { SHOWN_WEIGHTS = 4096 };
 static struct {
   const void *volatile p;
-  int n, k, kind;
-} half_weights[HALF_WEIGHTS];
-static volatile int half_top; /* slots in use lie below */
-static i64 half_calls;
+  int n, k, kind, bits, group; /* bits 16: half precision (kind HALF_*); else SCALE_* */
+  const void *scales, *biases;
+} shown[SHOWN_WEIGHTS];
+static volatile int shown_top; /* slots in use lie below */
+static i64 shown_calls;
 
-/* A slot for the n x k weight of this kind at p (rows k values apart), or -1. */
-int plimsoll_half_register(const void *p, int n, int k, int kind) {
-  if (!p || n < 1 || k < 2 || (k & 1) || (kind != HALF_BF16 && kind != HALF_F16)) return -1;
-  for (int s = 0; s < HALF_WEIGHTS; s++) {
-    if (half_weights[s].p) continue;
-    half_weights[s].n = n;
-    half_weights[s].k = k;
-    half_weights[s].kind = kind;
+static int shown_slot(const void *p, int n, int k, int kind, int bits, int group,
+                      const void *scales, const void *biases) {
+  for (int s = 0; s < SHOWN_WEIGHTS; s++) {
+    if (shown[s].p) continue;
+    shown[s].n = n;
+    shown[s].k = k;
+    shown[s].kind = kind;
+    shown[s].bits = bits;
+    shown[s].group = group;
+    shown[s].scales = scales;
+    shown[s].biases = biases;
     __asm__ volatile("" ::: "memory");
-    half_weights[s].p = p;
-    if (s >= half_top) half_top = s + 1;
+    shown[s].p = p;
+    if (s >= shown_top) shown_top = s + 1;
     return s;
   }
   return -1;
 }
 
+/* A slot for the n x k half-precision weight of this kind at p (rows k values apart), or
+ * -1. */
+int plimsoll_half_register(const void *p, int n, int k, int kind) {
+  if (!p || n < 1 || k < 2 || (k & 1) || (kind != HALF_BF16 && kind != HALF_F16)) return -1;
+  return shown_slot(p, n, k, kind, 16, 0, 0, 0);
+}
+
+/* A slot for the n x k affine-quantized weight at p (rows k * bits / 8 bytes apart) with
+ * n x k/group scales and biases of kind skind, or -1. */
+int plimsoll_quant_register(const void *p, int n, int k, int bits, int group,
+                            const void *scales, const void *biases, int skind) {
+  if (!p || !scales || !biases || n < 1 || (bits != 4 && bits != 8) || group < 16 ||
+      group % 16 || k < group || k % group || skind < SCALE_BF16 || skind > SCALE_F32)
+    return -1;
+  return shown_slot(p, n, k, skind, bits, group, scales, biases);
+}
+
 void plimsoll_half_unregister(int slot) {
-  if (slot >= 0 && slot < HALF_WEIGHTS) half_weights[slot].p = 0;
+  if (slot >= 0 && slot < SHOWN_WEIGHTS) shown[slot].p = 0;
 }
 
 /* Products that took this path since the load (tests and the install's check read it). */
-i64 plimsoll_half_calls(void) { return half_calls; }
+i64 plimsoll_half_calls(void) { return shown_calls; }
 
 /* Weights registered now (tests read it). */
 int plimsoll_half_registered(void) {
   int live = 0;
-  for (int s = 0; s < half_top; s++) live += half_weights[s].p != 0;
+  for (int s = 0; s < shown_top; s++) live += shown[s].p != 0;
   return live;
 }
 
-static int half_disguised(int m, int n, int k, const float *a, const float *b, float *c,
-                          int ldc) {
-  if (!half_top || m < 2 || (m & 1)) return 0;
-  for (int s = 0; s < half_top; s++) {
-    if (half_weights[s].p != b || half_weights[s].n != n || half_weights[s].k != 2 * k)
-      continue;
-    int rows = m / 2, kk = 2 * k, kind = half_weights[s].kind;
-    const unsigned short *w = (const unsigned short *)b;
+/* The fake row width K of a registered weight, and how many fake rows F hold a real one. */
+static void shown_shape(int s, int *K, int *F) {
+  if (shown[s].bits == 16) {
+    *K = shown[s].k / 2;
+    *F = 2;
+    return;
+  }
+  int k = shown[s].k;
+  *K = (int)((i64)k * shown[s].bits / 32);
+  *F = (k + k / shown[s].group + *K - 1) / *K;
+}
+
+static int shown_product(int order, int trans_a, int trans_b, int m, int n, int k,
+                         float alpha, const float *a, int lda, const float *b, int ldb,
+                         float beta, float *c, int ldc) {
+  if (!shown_top) return 0;
+  for (int s = 0; s < shown_top; s++) {
+    if (shown[s].p != b) continue;
+    int K, F;
+    shown_shape(s, &K, &F);
+    if (order != ROW_MAJOR || trans_a != NO_TRANS || trans_b != TRANS || alpha != 1.f ||
+        beta != 0.f || lda != k || ldb != k || shown[s].n != n || K != k || m < F ||
+        m % F) {
+      const union { unsigned u; float f; } nan = {0x7fc00000u};
+      for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) c[(i64)i * ldc + j] = nan.f;
+      return 1;
+    }
+    int rows = m / F, real = shown[s].k;
+    i64 lda = (i64)F * K;
     for (int r0 = 0; r0 < rows; r0 += HALF_ROWS) {
       int r = rows - r0 < HALF_ROWS ? rows - r0 : HALF_ROWS;
-      plimsoll_half_gemv(kind, r, kk, a + (i64)r0 * kk, kk, w, kk, c + (i64)r0 * ldc, ldc,
-                         0, n);
+      if (shown[s].bits == 16)
+        plimsoll_half_gemv(shown[s].kind, r, real, a + r0 * lda, lda,
+                           (const unsigned short *)b, real, c + (i64)r0 * ldc, ldc, 0, n);
+      else
+        plimsoll_quant_gemv(shown[s].bits, shown[s].group, shown[s].kind, r, real,
+                            a + r0 * lda, lda, b, shown[s].scales, shown[s].biases,
+                            c + (i64)r0 * ldc, ldc, 0, n);
     }
-    half_calls++;
+    shown_calls++;
     return 1;
   }
   return 0;
 }
 #else
-static int half_disguised(int m, int n, int k, const float *a, const float *b, float *c,
-                          int ldc) {
-  (void)m, (void)n, (void)k, (void)a, (void)b, (void)c, (void)ldc;
+static int shown_product(int order, int trans_a, int trans_b, int m, int n, int k,
+                         float alpha, const float *a, int lda, const float *b, int ldb,
+                         float beta, float *c, int ldc) {
+  (void)order, (void)trans_a, (void)trans_b, (void)m, (void)n, (void)k, (void)alpha;
+  (void)a, (void)lda, (void)b, (void)ldb, (void)beta, (void)c, (void)ldc;
   return 0;
 }
 #endif /* the half-precision kernel */

@@ -35,7 +35,7 @@ faster on the model's largest layer at load: it reads the weight as stored (no c
 transient) and sums in float32; MLX's own half-precision product streams the weight at
 ~1.6-2.5 GB/s here, the kernel at 20-28 GB/s on one core for one row. MLX itself calls it:
 the weight is registered with the shim and MLX multiplies by a float32 view of its bits
-(`_show_as_float32`), so a decode step stays one lazy graph. Such a step's attention runs
+(engine/shim_decode.py), so a decode step stays one lazy graph. Such a step's attention runs
 its two products in float32 through the BLAS too (`_decode_attention`; MLX's
 half-precision product costs ~1 ms a layer for them), rounded where MLX's rounds. Its
 float32 sums part from MLX's product only at near-tied greedy choices
@@ -90,7 +90,7 @@ import numpy as np
 from mlx_lm.models import activations as _mlx_activations
 from mlx_lm.models import base as _mlx_base
 
-from engine import blas
+from engine import blas, shim_decode
 from memory.chunking import ConversionTransient
 
 HALF = (mx.bfloat16, mx.float16)
@@ -139,9 +139,10 @@ class FastPrefill:
     # copy of the weight (lazy: one asynchronous graph per step, a layer's copy at a time).
     decode_shapes: frozenset[tuple[int, int]] = frozenset()
     decode_reason: str = "stock"
-    # Dense half-precision layers decode through the shim's kernel (`_half_decode_product`),
-    # those shown to it (`_show_layers`).
+    # Dense half-precision layers, and quantized ones, decode through the shim's kernels
+    # (engine/shim_decode.py), those shown to it.
     decode_half: bool = False
+    decode_quant: bool = False
     layers: int = 0  # wrapped Linear / QuantizedLinear modules
     dtype: str = ""  # "bfloat16", "float16", "4-bit", ... (what was found)
     transient: ConversionTransient = field(default_factory=ConversionTransient)
@@ -205,134 +206,6 @@ def _dense_decode_product(x: mx.array, w: mx.array, bias: mx.array | None) -> mx
     return y.astype(x.dtype)
 
 
-_HALF_KINDS = {mx.bfloat16: blas.HALF_BF16, mx.float16: blas.HALF_F16}
-
-
-@dataclass
-class _Shown:
-    """A layer's half-precision weight registered with the shim, and the float32 view of
-    its bits that MLX multiplies by. Holding `weight` keeps the registered buffer alive."""
-
-    weight: mx.array
-    view: mx.array  # n x k/2 float32, MLX's own buffer
-    release: weakref.finalize  # unregisters once: here, or when the layer is collected
-
-
-def _show_as_float32(m: nn.Module) -> mx.array | None:
-    """The float32 view (n x k/2) of a dense bfloat16/float16 layer's weight, registered
-    with the shim so that MLX's float32 product by it runs the half-precision kernel
-    (engine/cblas_shim.c, "shown to MLX as float32 ones"). Made once per weight; None
-    where it cannot be (an odd k, a weight MLX would copy, no free slot): the layer then
-    keeps MLX's own product."""
-    view = _shown_view(m)
-    if view is not None:
-        return view
-    w = m["weight"]
-    if w.ndim != 2 or w.dtype not in _HALF_KINDS or int(w.shape[1]) % 2:
-        return None
-    view, bits = w.view(mx.float32), w.view(mx.uint16)
-    mx.eval(view, bits)
-    shown, own = np.asarray(view), np.asarray(bits)
-    if (shown.ctypes.data != own.ctypes.data or not shown.flags.c_contiguous
-            or not own.flags.c_contiguous):
-        return None  # not the weight's own contiguous buffer: MLX would multiply a copy
-    n, k = int(w.shape[0]), int(w.shape[1])
-    slot = blas.half_register(shown.ctypes.data, n, k, _HALF_KINDS[w.dtype])
-    if slot is None:
-        return None
-    object.__setattr__(m, "_half_shown",
-                       _Shown(w, view, weakref.finalize(m, blas.half_unregister, slot)))
-    return view
-
-
-def _shown_view(m: nn.Module) -> mx.array | None:
-    """The layer's registered view while its weight is still the one registered."""
-    held: _Shown | None = m.__dict__.get("_half_shown")
-    if held is None:
-        return None
-    if held.weight is not m["weight"]:
-        _hide(m)  # replaced (a weight update): MLX's product from now on
-        return None
-    return held.view
-
-
-def _hide(m: nn.Module) -> None:
-    held = m.__dict__.pop("_half_shown", None)
-    if held is not None:
-        held.release()
-
-
-def _half_decode_product(view: mx.array, x: mx.array, bias: mx.array | None) -> mx.array:
-    """Decode rows of a dense bfloat16/float16 layer through the shim's kernel: the weight
-    read as stored, float32 sums (MLX's own half-precision product streams it at a fifth
-    to a tenth of the speed here). Lazy, like any MLX product: x's rows in float32, row i
-    spread over rows 2i and 2i+1 of a k/2-wide matrix (the shape MLX multiplies by the
-    n x k/2 view), and the real y in the first rows of the output. What it adds is x and
-    y in float32 (rows x the layer's sides, y twice), freed with the step."""
-    n, half = int(view.shape[0]), int(view.shape[1])
-    x32 = mx.contiguous(x.astype(mx.float32).reshape(-1, 2 * half))
-    rows = int(x32.shape[0])
-    y = (x32.reshape(2 * rows, half) @ view.T)[:rows]
-    if bias is not None:
-        y = y + bias.astype(mx.float32)
-    return y.reshape(*x.shape[:-1], n).astype(x.dtype)
-
-
-def _kernel_reference(m: nn.Module, x: mx.array) -> mx.array:
-    """The same product with the kernel called directly on NumPy arrays: what the install
-    checks the shown path against."""
-    w = m["weight"]
-    n, k = int(w.shape[0]), int(w.shape[1])
-    bits = w.view(mx.uint16)
-    x32 = x.astype(mx.float32).reshape(-1, k)
-    mx.eval(bits, x32)
-    xs, ws = np.ascontiguousarray(np.asarray(x32)), np.ascontiguousarray(np.asarray(bits))
-    y = np.empty((xs.shape[0], n), dtype=np.float32)
-    kernel = blas.half_gemv()
-    for r0 in range(0, xs.shape[0], blas.HALF_ROWS):
-        r = min(blas.HALF_ROWS, xs.shape[0] - r0)
-        if kernel is None or kernel(_HALF_KINDS[w.dtype], r, k, xs[r0:].ctypes.data, k,
-                                    ws.ctypes.data, k, y[r0:].ctypes.data, n, 0, n) != 0:
-            raise RuntimeError("the half-precision kernel is not there or refused the product")
-    out = mx.array(y)
-    if "bias" in m:
-        out = out + m["bias"].astype(mx.float32)
-    return out.reshape(*x.shape[:-1], n).astype(x.dtype)
-
-
-def _shown_product_checks(m: nn.Module, view: mx.array) -> bool:
-    """One product through the shown path ran the kernel (the shim counted it) and gave
-    the direct call's result bit for bit: MLX handed the shim the registered weight."""
-    x = mx.random.normal((1, 1, int(m["weight"].shape[1])), key=mx.random.key(7)
-                         ).astype(m["weight"].dtype)
-    before = blas.half_calls()
-    got = _half_decode_product(view, x, m.get("bias"))
-    mx.eval(got)
-    if blas.half_calls() <= before:
-        return False
-    return bool(mx.array_equal(got, _kernel_reference(m, x)).item())
-
-
-def _show_layers(layers: list[nn.Module]) -> list[nn.Module]:
-    """Shows every layer it can (one product checked per distinct shape, and every layer
-    of a shape whose check fails hidden again); the layers shown."""
-    checked: dict[tuple[int, int], bool] = {}
-    shown = []
-    for m in layers:
-        view = _show_as_float32(m)
-        if view is None:
-            continue
-        shape = _shape(m)
-        if shape not in checked:
-            checked[shape] = _shown_product_checks(m, view)
-        if checked[shape]:
-            shown.append(m)
-        else:
-            _hide(m)
-    mx.clear_cache()
-    return shown
-
-
 class _FastLinear(nn.Linear):
     _fast_prefill: FastPrefill
     _decode_only = False  # a dense LM head: its prefill logits are never evaluated
@@ -345,9 +218,9 @@ class _FastLinear(nn.Linear):
                 plan.converted += 1
                 return _product(x, w.astype(mx.float32), self.get("bias"))
             if x.ndim >= 2 and x.shape[-2] == 1:
-                view = _shown_view(self) if plan.decode_half else None
+                view = shim_decode.shown_view(self) if plan.decode_half else None
                 if view is not None:
-                    return _half_decode_product(view, x, self.get("bias"))
+                    return shim_decode.product(self, view, x)
                 if tuple(w.shape) in plan.decode_shapes:
                     return _dense_decode_product(x, w, self.get("bias"))
         return nn.Linear.__call__(self, x)
@@ -385,6 +258,10 @@ class _FastQuantizedLinear(nn.QuantizedLinear):
                                 self["biases"].astype(mx.float32), self.group_size,
                                 self.bits)
             return _product(x, w32, self.get("bias"))
+        if x.ndim >= 2 and x.shape[-2] == 1 and plan.decode_quant:
+            view = shim_decode.shown_view(self)
+            if view is not None:
+                return shim_decode.product(self, view, x)
         if _decode_ok(self, x, plan):
             return _decode_product(self, x)
         return nn.QuantizedLinear.__call__(self, x)
@@ -397,7 +274,12 @@ class _FastQuantizedEmbedding(nn.QuantizedEmbedding):
     _fast_prefill: FastPrefill
 
     def as_linear(self, x: mx.array) -> mx.array:
-        if x.ndim >= 2 and x.shape[-2] == 1 and _decode_ok(self, x, self._fast_prefill):
+        plan = self._fast_prefill
+        if x.ndim >= 2 and x.shape[-2] == 1 and plan.decode_quant:
+            view = shim_decode.shown_view(self)
+            if view is not None and x.dtype == self["scales"].dtype:
+                return shim_decode.product(self, view, x)
+        if x.ndim >= 2 and x.shape[-2] == 1 and _decode_ok(self, x, plan):
             return _decode_product(self, x)
         return nn.QuantizedEmbedding.as_linear(self, x)
 
@@ -559,7 +441,9 @@ def _decode_attention_ok(queries: mx.array, keys: mx.array, mask: Any, sinks: An
     """A decode step's attention in a half-precision model on a thread whose plan decodes
     through the shim (`_decode_attention`)."""
     plan: FastPrefill | None = getattr(_thread, "plan", None)
-    if (plan is None or not plan.decode_half or queries.ndim != 4 or queries.shape[2] != 1
+    if (plan is None or not (plan.decode_half or plan.decode_quant or plan.decode_fp32)
+            or queries.ndim != 4
+            or queries.shape[2] != 1
             or queries.dtype not in HALF or keys.dtype != queries.dtype or sinks is not None
             or kwargs or hasattr(cache, "bits") or queries.shape[1] % keys.shape[1]
             or 2 * keys.size * F32_BYTES > decode_attention_bytes(plan)):
@@ -581,30 +465,11 @@ def decode_attention_bytes(plan: FastPrefill) -> int:
     return plan.transient.weight_bytes // 2
 
 
-def _decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                      mask: mx.array | None) -> mx.array:
-    """MLX's own half-precision attention for one query per sequence, with its two
-    products in float32 through the BLAS (MLX's half-precision product costs ~1 ms a
-    layer at any context here): the scaling in the queries' dtype, the scores and the
-    output rounded to it where MLX rounds them, MLX's precise softmax. Lazy. Differs
-    from the stock path only by the products' summation order."""
-    b, h, _, d = queries.shape
-    kv, dtype, f32 = keys.shape[1], queries.dtype, mx.float32
-    q = (queries * mx.array(scale, dtype=dtype)).astype(f32).reshape(b, kv, h // kv, d)
-    scores = (q @ keys.astype(f32).swapaxes(-1, -2)).astype(dtype)  # (B, KV, rep, S)
-    if mask is not None:
-        scores = (mx.where(mask, scores, mx.array(-mx.inf, dtype=dtype))
-                  if mask.dtype == mx.bool_ else scores + mask)
-    weights = mx.softmax(scores, axis=-1, precise=True)
-    out = (weights.astype(f32) @ values.astype(f32)).astype(dtype)
-    return out.reshape(b, h, 1, d)
-
-
 def _sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
     """mlx-lm's attention; a prefill chunk on a bound thread runs it in float32, and so
     do a decode step's products where the plan decodes through the shim."""
     if _decode_attention_ok(queries, keys, mask, sinks, cache, kwargs):
-        return _decode_attention(queries, keys, values, scale, mask)
+        return shim_decode.decode_attention(queries, keys, values, scale, mask)
     if (queries.ndim != 4 or hasattr(cache, "bits") or kwargs
             or (plan := _prefill_plan(queries, 2)) is None):
         return _stock_sdpa(queries, keys, values, cache, scale, mask, sinks, **kwargs)
@@ -870,49 +735,51 @@ def measure_decode(layers: list[nn.Module], plan: FastPrefill,
     return stock, fp32
 
 
-def measure_half_decode(layers: list[nn.Module], repeats: int = DECODE_REPEATS
+def measure_shim_decode(layers: list[nn.Module], repeats: int = DECODE_REPEATS
                         ) -> tuple[float, float] | None:
-    """(stock ms, kernel ms) of one decode row through the largest layer shown to the
-    shim (`_show_layers`), or None without one."""
-    shown = [(m, v) for m in layers if (v := _shown_view(m)) is not None]
+    """(ms the layer takes now, kernel ms) of one decode row through the largest layer
+    shown to the shim (`shim_decode.show_layers`), or None without one."""
+    shown = [(m, v) for m in layers if (v := shim_decode.shown_view(m)) is not None]
     if not shown:
         return None
-    m, view = max(shown, key=lambda p: p[0]["weight"].size)
-    x = mx.ones((1, 1, int(m["weight"].shape[1])), dtype=m["weight"].dtype)
+    m, view = max(shown, key=lambda p: p[0]["weight"].shape[0] * shim_decode.in_features(p[0]))
+    dtype = m["scales"].dtype if "scales" in m else m["weight"].dtype
+    x = mx.ones((1, 1, shim_decode.in_features(m)), dtype=dtype)
+    now = m.as_linear if isinstance(m, nn.QuantizedEmbedding) else m
     try:
-        return (_time_ms(lambda: nn.Linear.__call__(m, x), repeats),
-                _time_ms(lambda: _half_decode_product(view, x, m.get("bias")), repeats))
+        return (_time_ms(lambda: now(x), repeats),
+                _time_ms(lambda: shim_decode.product(m, view, x), repeats))
     finally:
         mx.clear_cache()
 
 
-def _choose_half_decode(layers: list[nn.Module], decode: DecodeMode) -> tuple[bool, str]:
-    """Whether the dense half-precision layers (and a dense LM head) decode through the
-    shim's kernel, and the log's words for it ("" when there is nothing to choose). The
-    layers it takes are left shown to the shim; none when it says no."""
-    dense = [m for m in layers if _is_dense(m) and m["weight"].dtype in _HALF_KINDS]
-    if not dense or decode == "stock":
+def _choose_shim_decode(layers: list[nn.Module], decode: DecodeMode, what: str,
+                        now: str) -> tuple[bool, str]:
+    """Whether these layers (dense half-precision ones, or quantized ones) decode through
+    the shim's kernels, measured against what they run `now` ("stock", "float32"), and
+    the log's words for it ("" when there is nothing to choose). The layers it takes are
+    left shown to the shim; none when it says no."""
+    if not layers or decode == "stock":
         return False, ""
     if blas.half_gemv() is None:
-        return False, "dense layers stock (the BLAS in use has no half-precision kernel)"
-    shown = _show_layers(dense)
+        return False, f"{what} {now} (the BLAS in use has no decode kernels)"
+    shown = shim_decode.show_layers(layers)
     if not shown:
-        return False, "dense layers stock (the shim could not take their weights)"
+        return False, f"{what} {now} (the shim could not take their weights)"
     isa = blas.half_kernel_isa()
-    some = "" if len(shown) == len(dense) else f" {len(shown)} of {len(dense)}"
+    some = "" if len(shown) == len(layers) else f" ({len(shown)} of {len(layers)})"
     if decode == "fp32":
-        return True, f"dense layers{some} through the {isa} half-precision kernel (set)"
-    timing = measure_half_decode(shown)
+        return True, f"{what}{some} through the {isa} kernel (set)"
+    timing = measure_shim_decode(shown)
     if timing is None:
         return False, ""
-    stock, kernel = timing
-    chosen = kernel < DECODE_MARGIN * stock
+    before, kernel = timing
+    chosen = kernel < DECODE_MARGIN * before
     if not chosen:
         for m in shown:
-            _hide(m)
-    return chosen, (f"dense layers{some} "
-                    f"{'through the ' + isa + ' half-precision kernel' if chosen else 'stock'} "
-                    f"(measured {stock:.2f} ms stock, {kernel:.2f} ms kernel)")
+            shim_decode.hide(m)
+    return chosen, (f"{what}{some} {'through the ' + isa + ' kernel' if chosen else now} "
+                    f"(measured {before:.2f} ms {now}, {kernel:.2f} ms kernel)")
 
 
 def measure_dense_decode(layers: list[nn.Module], repeats: int = DECODE_REPEATS
@@ -1009,7 +876,9 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
         transient=transient_for(layers, kv_bytes_per_token, len(blocks), kv_dtype_bytes))
     quantized = any(_STOCK_CLASSES.get(type(m), type(m)) is nn.QuantizedLinear
                     for m in layers)
-    half, half_reason = _choose_half_decode(layers, decode if decode_kernel else "stock")
+    kernel_mode = decode if decode_kernel else "stock"
+    half, half_reason = _choose_shim_decode(
+        [m for m in layers if _is_dense(m)], kernel_mode, "dense layers", "stock")
     heads = [m for m in _decode_heads(model, blocks)
              if ((decode_dense or half) and _is_dense(m)) or (quantized and not _is_dense(m))]
     for m in layers + heads:
@@ -1019,7 +888,7 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
         if isinstance(m, (_FastQuantizedLinear, _FastLinear)):
             m._decode_only = True
     if half:
-        _show_layers([m for m in heads if _is_dense(m)])
+        shim_decode.show_layers([m for m in heads if _is_dense(m)])
 
     plan.wrapped = [weakref.ref(m) for m in layers + heads]
     _patch_modules(model)
@@ -1045,6 +914,12 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
                               else f"{plan.decode_reason}; {half_reason}")
     elif half_reason:
         plan.decode_reason = f"{plan.decode_reason}; {half_reason}"
+    if quantized:
+        plan.decode_quant, quant_reason = _choose_shim_decode(
+            [m for m in layers + heads if not _is_dense(m)], kernel_mode, "quantized layers",
+            "float32" if plan.decode_fp32 else "stock")
+        if quant_reason:
+            plan.decode_reason = f"{plan.decode_reason}; {quant_reason}"
     dense = (_choose_dense_decode(plan, layers + heads, decode)
              if decode_dense and not half else "")
     if dense:
@@ -1090,12 +965,12 @@ def uninstall(plan: FastPrefill) -> None:
             m.__class__ = stock
             m.__dict__.pop("_fast_prefill", None)
             m.__dict__.pop("_decode_only", None)
-            _hide(m)
+            shim_decode.hide(m)
     plan.wrapped = []
     _unmark_last_block(plan)
     plan.enabled = False
     plan.decode_fp32 = False
-    plan.decode_half = False
+    plan.decode_half = plan.decode_quant = False
     plan.decode_shapes = frozenset()
     if getattr(_thread, "plan", None) is plan:
         _thread.plan = None

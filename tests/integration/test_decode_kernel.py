@@ -1,6 +1,8 @@
-"""Decode rows of dense bfloat16/float16 layers through the CBLAS shim's kernel
-(engine/cblas_shim.c `plimsoll_half_gemv`, engine/fast_prefill.py): the kernel against
-float64 NumPy, and real engines against MLX's own product."""
+"""Decode rows of dense bfloat16/float16 and affine-quantized layers through the CBLAS
+shim's kernels (engine/cblas_shim.c `plimsoll_half_gemv`, `plimsoll_quant_gemv`), run by
+MLX's own product of a registered weight (engine/shim_decode.py, engine/fast_prefill.py):
+the kernels against float64 NumPy, the registry, and real engines against MLX's own
+product."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from engine import blas, fast_prefill
+from engine import blas, fast_prefill, shim_decode
 from engine.demo_models import ensure_demo_variant
 from engine.model_engine import EngineSettings, ModelEngine
 from service.cli import build_parser
@@ -139,7 +141,8 @@ async def test_engines_decode_through_it_and_part_from_stock_only_at_near_ties(t
         await asyncio.gather(asyncio.wrap_future(fast.start()),
                              asyncio.wrap_future(stock.start()))
         plan = fast.fast_prefill
-        assert plan.decode_half and "half-precision kernel (set)" in plan.decode_reason
+        assert plan.decode_half and "dense layers through the" in plan.decode_reason
+        assert "kernel (set)" in plan.decode_reason
         head = fast.info.model.lm_head
         assert isinstance(head, fast_prefill._FastLinear) and head._decode_only
         assert not stock.fast_prefill.decode_half
@@ -163,21 +166,30 @@ async def test_engines_decode_through_it_and_part_from_stock_only_at_near_ties(t
 def test_the_choice_is_measured_at_load_and_can_be_turned_off(tiny_bf16):
     import mlx_lm
 
+    base = blas.half_registered()  # what other tests' live models hold
     model, _ = mlx_lm.load(str(tiny_bf16))
     plan = fast_prefill.install(model)  # the defaults
     try:
         assert "ms stock" in plan.decode_reason and "ms kernel" in plan.decode_reason
-        stock_ms, kernel_ms = fast_prefill.measure_half_decode(
-            [m for _, m in model.named_modules() if isinstance(m, fast_prefill._FastLinear)])
+        dense = [m for _, m in model.named_modules() if isinstance(m, fast_prefill._FastLinear)]
+        stock_ms, kernel_ms = fast_prefill.measure_shim_decode(shim_decode.show_layers(dense))
         assert stock_ms > 0 and kernel_ms > 0
     finally:
         fast_prefill.uninstall(plan)
-    assert not plan.decode_half
+    assert not plan.decode_half and blas.half_registered() == base
     off = fast_prefill.install(model, decode_kernel=False)
     try:
         assert not off.decode_half and "kernel" not in off.decode_reason
     finally:
         fast_prefill.uninstall(off)
+    model, _ = mlx_lm.load(str(ensure_demo_variant("tiny", "4bit")))
+    plan = fast_prefill.install(model)
+    try:  # measured against the float32 quantized product where that was chosen first
+        assert "quantized layers" in plan.decode_reason and "ms kernel" in plan.decode_reason
+        assert ("ms float32" if plan.decode_fp32 else "ms stock") in plan.decode_reason
+    finally:
+        fast_prefill.uninstall(plan)
+    assert not plan.decode_quant and blas.half_registered() == base
 
 
 def _bf16_linear(n: int, k: int, bias: bool) -> nn.Linear:
@@ -193,23 +205,23 @@ def test_a_shown_weight_is_multiplied_by_the_kernel_inside_mlx(bias):
     result bit for bit, close to MLX's own product), lazily: nothing runs until eval.
     Every row count up to HALF_ROWS and past it (the shim splits)."""
     layer = _bf16_linear(40, 96, bias)
-    [shown] = fast_prefill._show_layers([layer])
-    view = fast_prefill._shown_view(shown)
+    [shown] = shim_decode.show_layers([layer])
+    view = shim_decode.shown_view(shown)
     try:
         for rows in (1, 2, 3, 5, 32, 33):
             x = mx.random.normal((rows, 1, 96), key=mx.random.key(rows)).astype(mx.bfloat16)
             before = blas.half_calls()
-            got = fast_prefill._half_decode_product(view, x, layer.get("bias"))
+            got = shim_decode.product(layer, view, x)
             assert blas.half_calls() == before  # lazy
             mx.eval(got)
             assert blas.half_calls() == before + 1
             assert got.shape == (rows, 1, 40) and got.dtype == mx.bfloat16
-            assert mx.array_equal(got, fast_prefill._kernel_reference(layer, x)).item()
+            assert mx.array_equal(got, shim_decode.kernel_reference(layer, x)).item()
             stock = nn.Linear.__call__(layer, x)
             assert mx.allclose(got.astype(mx.float32), stock.astype(mx.float32),
                                atol=0.05, rtol=0.02).item()
     finally:
-        fast_prefill._hide(layer)
+        shim_decode.hide(layer)
 
 
 def test_registrations_end_with_the_plan_the_layer_or_its_weight(tiny_bf16):
@@ -230,7 +242,7 @@ def test_registrations_end_with_the_plan_the_layer_or_its_weight(tiny_bf16):
     plan = fast_prefill.install(model, decode="fp32")
     layer = model.layers[0].mlp.down_proj
     layer.weight = layer.weight * 1  # a weight update
-    assert fast_prefill._shown_view(layer) is None
+    assert shim_decode.shown_view(layer) is None
     assert blas.half_registered() == base + len(dense) - 1
     x = mx.ones((1, 1, layer.weight.shape[1]), dtype=mx.bfloat16)
     before = blas.half_calls()
@@ -245,14 +257,14 @@ def test_unregistered_float32_products_are_left_to_the_blas():
     """A float32 product whose weight was never registered (or no longer is) is OpenBLAS's
     as before, even with the shapes a shown one has."""
     layer = _bf16_linear(40, 96, False)
-    [shown] = fast_prefill._show_layers([layer])
-    view = fast_prefill._shown_view(shown)
+    [shown] = shim_decode.show_layers([layer])
+    view = shim_decode.shown_view(shown)
     x = mx.random.normal((2, 48), key=mx.random.key(3))
     w = mx.random.normal((40, 48), key=mx.random.key(4))
     before = blas.half_calls()
     want = np.asarray(x).astype(np.float64) @ np.asarray(w).astype(np.float64).T
     assert np.allclose(np.asarray(x @ w.T), want, atol=1e-4)
-    fast_prefill._hide(layer)
+    shim_decode.hide(layer)
     as_floats = np.asarray(view).astype(np.float64)  # the bits, read as float32
     got = x @ view.T
     mx.eval(got)
@@ -285,7 +297,7 @@ def test_decode_attention_is_mlxs_own_but_for_the_summation_order(dtype, mask):
     m = {None: None, "bool": keep,
          "additive": mx.where(keep, 0.0, -1e4).astype(dtype)}[mask]
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=d ** -0.5, mask=m)
-    got = fast_prefill._decode_attention(q, k, v, d ** -0.5, m)
+    got = shim_decode.decode_attention(q, k, v, d ** -0.5, m)
     assert got.shape == want.shape and got.dtype == dtype
     assert _ulps(got, want) <= 1.0
     assert mx.mean((got == want).astype(mx.float32)).item() > 0.97
@@ -316,6 +328,102 @@ def test_decode_attention_runs_only_where_the_plan_decodes_through_the_shim(tiny
         finally:
             fast_prefill.uninstall(plan)
     assert not ok(q, k, None, None, None, {})  # no plan bound
+
+
+def _quantized(n: int, k: int, bits: int, group: int, scales: mx.Dtype,
+               seed: int = 0) -> nn.QuantizedLinear:
+    layer = nn.Linear(k, n, bias=False)
+    layer.set_dtype(mx.bfloat16)
+    q = nn.QuantizedLinear.from_linear(layer, group_size=group, bits=bits)
+    q.scales, q.biases = q.scales.astype(scales), q.biases.astype(scales)
+    mx.eval(q.parameters())
+    return q
+
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize(("bits", "group", "scales"),
+                         [(4, 64, mx.bfloat16), (4, 32, mx.float16), (4, 128, mx.float32),
+                          (8, 64, mx.bfloat16), (8, 32, mx.float16)])
+def test_the_quantized_kernel_matches_float64(portable, bits, group, scales):
+    """scale * q + bias per group, exactly (unrounded), for row counts up to 32 and past
+    them; float32 x so that the output is not rounded either."""
+    shim = _shim()
+    n, k = 37, 4 * group
+    q = _quantized(n, k, bits, group, scales)
+    ints = mx.dequantize(q.weight, mx.ones_like(q.scales).astype(mx.float32),
+                         mx.zeros_like(q.biases).astype(mx.float32), group, bits)
+    s = np.repeat(np.asarray(q.scales.astype(mx.float32)), group, axis=1).astype(np.float64)
+    b = np.repeat(np.asarray(q.biases.astype(mx.float32)), group, axis=1).astype(np.float64)
+    w64 = s * np.asarray(ints).astype(np.float64) + b
+    try:
+        shim.plimsoll_half_use_portable(int(portable))
+        for rows in (1, 2, 3, 4, 5, 33):
+            x = mx.random.normal((rows, 1, k), key=mx.random.key(rows))
+            got = np.asarray(shim_decode.kernel_reference(q, x)).reshape(rows, n)
+            x64 = np.asarray(x).reshape(rows, k).astype(np.float64)
+            want = x64 @ w64.T
+            scale = np.abs(x64) @ np.abs(w64).T
+            assert np.all(np.abs(got - want) <= 1e-5 * scale), rows
+    finally:
+        shim.plimsoll_half_use_portable(0)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_shown_quantized_layer_runs_the_kernel_inside_mlx(bits):
+    """Lazily, counted by the shim, the direct call's result bit for bit, and close to
+    MLX's own quantized product (which rounds its dequantized weights to the scales'
+    dtype); a layer the kernel does not take (group 16 is fine, 3 bits is not) keeps
+    MLX's product."""
+    q = _quantized(48, 256, bits, 64, mx.bfloat16)
+    [shown] = shim_decode.show_layers([q])
+    view = shim_decode.shown_view(shown)
+    try:
+        for rows in (1, 3, 8):
+            x = mx.random.normal((rows, 1, 256), key=mx.random.key(rows)).astype(mx.bfloat16)
+            before = blas.half_calls()
+            got = shim_decode.product(q, view, x)
+            assert blas.half_calls() == before
+            mx.eval(got)
+            assert blas.half_calls() == before + 1
+            assert got.shape == (rows, 1, 48) and got.dtype == mx.bfloat16
+            assert mx.array_equal(got, shim_decode.kernel_reference(q, x)).item()
+            stock = nn.QuantizedLinear.__call__(q, x)
+            assert mx.allclose(got.astype(mx.float32), stock.astype(mx.float32),
+                               atol=0.05, rtol=0.02).item()
+    finally:
+        shim_decode.hide(q)
+    assert shim_decode.show(_quantized(8, 64, 3, 64, mx.bfloat16)) is None
+
+
+async def test_quantized_engines_decode_through_it_and_part_only_at_near_ties():
+    """A 4-bit model's engine with the kernel (`fast_decode="fp32"` takes it without
+    measuring) against one without (`fast_decode_kernel=False`): every quantized layer
+    and the LM head through the kernel every step; the tokens agree but at near ties."""
+    tiny_4bit = ensure_demo_variant("tiny", "4bit")
+    loop = asyncio.get_running_loop()
+    fast = ModelEngine("kernel", str(tiny_4bit), loop,
+                       EngineSettings(prefill_step_size=STEP, fast_decode="fp32"))
+    stock = ModelEngine("stock", str(tiny_4bit), loop,
+                        EngineSettings(prefill_step_size=STEP, fast_decode_kernel=False))
+    try:
+        await asyncio.gather(asyncio.wrap_future(fast.start()),
+                             asyncio.wrap_future(stock.start()))
+        plan = fast.fast_prefill
+        assert plan.decode_quant and "quantized layers through the" in plan.decode_reason
+        assert not stock.fast_prefill.decode_quant
+        before = blas.half_calls()
+        ids = prompts(fast.info.tokenizer)
+        got, want = await asyncio.gather(
+            asyncio.gather(*(greedy(fast, f"k{i}", p) for i, p in enumerate(ids))),
+            asyncio.gather(*(greedy(stock, f"s{i}", p) for i, p in enumerate(ids))))
+        layers = sum(isinstance(m, fast_prefill._FastQuantizedLinear)
+                     for _, m in fast.info.model.named_modules())
+        assert blas.half_calls() - before >= layers * 20
+        for p, a, b in zip(ids, got, want, strict=True):
+            agree_but_at_a_near_tie(tiny_4bit, p, a, b)
+    finally:
+        await asyncio.gather(asyncio.wrap_future(fast.stop()),
+                             asyncio.wrap_future(stock.stop()))
 
 
 def test_serve_has_a_flag_that_turns_it_off():
