@@ -29,18 +29,17 @@ In a float32 model's last block the NumPy attention and SwiGLU stay MLX's lazy o
 (`_LastBlock`): mlx-lm evaluates only a prefill chunk's cache, so there they would compute
 a query, an attention and an MLP that nobody reads (5-16 % of a prefill).
 
-Decode rows of a dense bfloat16 or float16 layer (the LM head too) go through the CBLAS
-shim's half-precision kernel (engine/cblas_shim.c `plimsoll_half_gemv`) where that measures
-faster on the model's largest layer at load: it reads the weight as stored (no copy, no
-transient) and sums in float32; MLX's own half-precision product streams the weight at
-~1.6-2.5 GB/s here, the kernel at 20-28 GB/s on one core for one row. MLX itself calls it:
-the weight is registered with the shim and MLX multiplies by a float32 view of its bits
-(engine/shim_decode.py), so a decode step stays one lazy graph. Such a step's attention runs
-its two products in float32 through the BLAS too (`_decode_attention`; MLX's
-half-precision product costs ~1 ms a layer for them), rounded where MLX's rounds. Its
-float32 sums part from MLX's product only at near-tied greedy choices
-(docs/benchmarks.md). `decode_kernel=False` (`--no-decode-kernel`) keeps MLX's product
-and attention.
+Decode rows of a dense bfloat16 or float16 layer, or of an affine 4/8-bit one (the LM
+head too), go through the CBLAS shim's kernels (engine/shim_decode.py) where that measures
+faster on the model's largest layer at load: they read the weight as stored (no copy, no
+transient) and sum in float32, inside MLX's lazy graph. MLX's own half-precision product
+streams the weight at ~1.6-2.5 GB/s here, the kernel at 20-28 GB/s on one core for one
+row; a 4-bit layer's kernel is 4-5x MLX's float32 quantized product at one row, 12-17x at
+four. Such a step's attention runs its two products in float32 through the BLAS too
+(`shim_decode.decode_attention`; MLX's half-precision product costs ~1 ms a layer for
+them), rounded where MLX's rounds. The float32 sums part from MLX's products only at
+near-tied greedy choices (docs/benchmarks.md). `decode_kernel=False`
+(`--no-decode-kernel`) keeps MLX's products and attention.
 
 Otherwise decode steps (one token per sequence) take the stock path, except that a quantized model
 may decode through `quantized_matmul` on float32 activations and scales (MLX's float32

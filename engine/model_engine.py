@@ -78,8 +78,9 @@ class EngineSettings:
     # quantized layers, and for cache-sized dense half-precision ones with fast_decode_dense.
     fast_decode: str = "auto"
     fast_decode_dense: bool = False
-    # Decode rows of dense bfloat16/float16 layers through the CBLAS shim's kernel, where
-    # that measures faster at load (engine/fast_prefill.py); False keeps MLX's product.
+    # Decode rows of dense bfloat16/float16 and 4/8-bit layers through the CBLAS shim's
+    # kernels, where that measures faster at load (engine/shim_decode.py); False keeps
+    # MLX's products.
     fast_decode_kernel: bool = True
     # A decode step's RoPE and RMSNorm as fused MLX kernels (Linux CPU, engine/compiled_decode.py);
     # the same logits, fewer operations per step. False keeps the stock ops.

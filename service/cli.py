@@ -75,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "compiled kernel each (the same logits; Linux CPU; see "
                    "engine/compiled_decode.py)")
     s.add_argument("--no-decode-kernel", dest="decode_kernel", action="store_false",
-                   help="decode bfloat16/float16 layers with MLX's own product instead of "
-                   "the CBLAS shim's kernel (which reads the weights as stored, sums in "
-                   "float32, and is used where it measures faster at load; Linux CPU)")
+                   help="decode bfloat16/float16 and 4/8-bit layers with MLX's own products "
+                   "and attention instead of the CBLAS shim's kernels (which read the "
+                   "weights as stored, sum in float32, and are used where they measure "
+                   "faster at load; Linux CPU)")
     s.add_argument("--fast-decode-dense", action="store_true",
                    help="decode the cache-sized layers of bf16/fp16 models through float32 "
                    "copies and the optimized BLAS where that measures faster at load (2-2.5x "

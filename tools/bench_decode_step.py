@@ -1,10 +1,12 @@
 """A decode step in process, one change on and off, alternating on the same model in the
 same process: `--compare compiled` (default), the compiled RoPE and RMSNorm
 (engine/compiled_decode.py) against MLX's stock ops; `--compare kernel`, the shim's
-half-precision decode kernel (engine/fast_prefill.py) against MLX's own product.
+decode kernels for half-precision and quantized layers (engine/shim_decode.py) against
+what the model decodes with otherwise (MLX's own product; for a quantized model the
+float32 quantized product where that was measured faster).
 
     python -m tools.bench_decode_step --models small-fp32,medium-fp32,small --batch 1,4
-    python -m tools.bench_decode_step --compare kernel --models small,medium --batch 1,4
+    python -m tools.bench_decode_step --compare kernel --models small,medium,small-4bit --batch 1,4
 
 Per model and batch size: the median step time of each side over the rounds, their ratio,
 and whether every step's logits were equal bit for bit (for the kernel: the largest
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                 on = (r % 4) in (0, 3)  # ABBA
                 if kernel:
                     plan = fast_prefill.install(model, decode_kernel=on)
-                    if on and not plan.decode_half:
+                    if on and not (plan.decode_half or plan.decode_quant):
                         print(f"kernel not chosen: {plan.decode_reason}", file=sys.stderr)
                         return 1
                     undo = fast_prefill.uninstall

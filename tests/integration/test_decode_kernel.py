@@ -128,36 +128,44 @@ def tiny_bf16():
     return ensure_demo_variant("tiny", "bf16")
 
 
-async def test_engines_decode_through_it_and_part_from_stock_only_at_near_ties(tiny_bf16):
-    """All prompts at once (decode rows of up to five sequences, the LM head too): greedy
-    tokens are MLX's own product's but where its best two logits are within two bfloat16
-    steps; `fast_decode_kernel=False` (`--no-decode-kernel`) leaves MLX's product."""
+@pytest.mark.parametrize("variant", ["bf16", "4bit"])
+async def test_engines_decode_through_it_and_part_from_stock_only_at_near_ties(variant):
+    """All prompts at once (decode rows of up to five sequences, the LM head too), dense
+    bfloat16 or 4-bit layers: every one through the kernel every step (the shim counts
+    MLX's products that ran it), and greedy tokens MLX's own product's but where its best
+    two logits are within two bfloat16 steps. `fast_decode="fp32"` takes the kernel
+    without measuring; `fast_decode_kernel=False` (`--no-decode-kernel`) leaves MLX's
+    product."""
+    path = ensure_demo_variant("tiny", variant)
+    dense = variant == "bf16"
+    wrapped = fast_prefill._FastLinear if dense else fast_prefill._FastQuantizedLinear
     loop = asyncio.get_running_loop()
-    fast = ModelEngine("kernel", str(tiny_bf16), loop,
+    fast = ModelEngine("kernel", str(path), loop,
                        EngineSettings(prefill_step_size=STEP, fast_decode="fp32"))
-    stock = ModelEngine("stock", str(tiny_bf16), loop,
+    stock = ModelEngine("stock", str(path), loop,
                         EngineSettings(prefill_step_size=STEP, fast_decode_kernel=False))
     try:
         await asyncio.gather(asyncio.wrap_future(fast.start()),
                              asyncio.wrap_future(stock.start()))
-        plan = fast.fast_prefill
-        assert plan.decode_half and "dense layers through the" in plan.decode_reason
+        plan, plain = fast.fast_prefill, stock.fast_prefill
+        assert (plan.decode_half, plan.decode_quant) == (dense, not dense)
+        what = "dense layers" if dense else "quantized layers"
+        assert f"{what} through the" in plan.decode_reason
         assert "kernel (set)" in plan.decode_reason
+        assert not plain.decode_half and not plain.decode_quant
         head = fast.info.model.lm_head
-        assert isinstance(head, fast_prefill._FastLinear) and head._decode_only
-        assert not stock.fast_prefill.decode_half
-        assert not isinstance(stock.info.model.lm_head, fast_prefill._FastLinear)
-        before = blas.half_calls()  # counted by the shim: MLX's product ran the kernel
+        assert isinstance(head, wrapped) and head._decode_only
+        if dense:
+            assert not isinstance(stock.info.model.lm_head, fast_prefill._FastLinear)
+        before = blas.half_calls()
         ids = prompts(fast.info.tokenizer)
         got, want = await asyncio.gather(
             asyncio.gather(*(greedy(fast, f"k{i}", p) for i, p in enumerate(ids))),
             asyncio.gather(*(greedy(stock, f"s{i}", p) for i, p in enumerate(ids))))
-        layers = sum(isinstance(m, fast_prefill._FastLinear)
-                     for _, m in fast.info.model.named_modules())
-        # every dense layer and the head, every step
+        layers = sum(isinstance(m, wrapped) for _, m in fast.info.model.named_modules())
         assert blas.half_calls() - before >= layers * 20
         for p, a, b in zip(ids, got, want, strict=True):
-            agree_but_at_a_near_tie(tiny_bf16, p, a, b)
+            agree_but_at_a_near_tie(path, p, a, b)
     finally:
         await asyncio.gather(asyncio.wrap_future(fast.stop()),
                              asyncio.wrap_future(stock.stop()))
@@ -393,37 +401,6 @@ def test_a_shown_quantized_layer_runs_the_kernel_inside_mlx(bits):
     finally:
         shim_decode.hide(q)
     assert shim_decode.show(_quantized(8, 64, 3, 64, mx.bfloat16)) is None
-
-
-async def test_quantized_engines_decode_through_it_and_part_only_at_near_ties():
-    """A 4-bit model's engine with the kernel (`fast_decode="fp32"` takes it without
-    measuring) against one without (`fast_decode_kernel=False`): every quantized layer
-    and the LM head through the kernel every step; the tokens agree but at near ties."""
-    tiny_4bit = ensure_demo_variant("tiny", "4bit")
-    loop = asyncio.get_running_loop()
-    fast = ModelEngine("kernel", str(tiny_4bit), loop,
-                       EngineSettings(prefill_step_size=STEP, fast_decode="fp32"))
-    stock = ModelEngine("stock", str(tiny_4bit), loop,
-                        EngineSettings(prefill_step_size=STEP, fast_decode_kernel=False))
-    try:
-        await asyncio.gather(asyncio.wrap_future(fast.start()),
-                             asyncio.wrap_future(stock.start()))
-        plan = fast.fast_prefill
-        assert plan.decode_quant and "quantized layers through the" in plan.decode_reason
-        assert not stock.fast_prefill.decode_quant
-        before = blas.half_calls()
-        ids = prompts(fast.info.tokenizer)
-        got, want = await asyncio.gather(
-            asyncio.gather(*(greedy(fast, f"k{i}", p) for i, p in enumerate(ids))),
-            asyncio.gather(*(greedy(stock, f"s{i}", p) for i, p in enumerate(ids))))
-        layers = sum(isinstance(m, fast_prefill._FastQuantizedLinear)
-                     for _, m in fast.info.model.named_modules())
-        assert blas.half_calls() - before >= layers * 20
-        for p, a, b in zip(ids, got, want, strict=True):
-            agree_but_at_a_near_tie(tiny_4bit, p, a, b)
-    finally:
-        await asyncio.gather(asyncio.wrap_future(fast.stop()),
-                             asyncio.wrap_future(stock.stop()))
 
 
 def test_serve_has_a_flag_that_turns_it_off():
