@@ -283,8 +283,24 @@ class _FastQuantizedEmbedding(nn.QuantizedEmbedding):
         return nn.QuantizedEmbedding.as_linear(self, x)
 
 
+class _FastEmbedding(nn.Embedding):
+    """A tied dense half-precision LM head (`as_linear`) decodes through the shim's
+    kernel; lookups are untouched."""
+
+    _fast_prefill: FastPrefill
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if (x.ndim >= 2 and x.shape[-2] == 1 and self._fast_prefill.decode_half
+                and x.dtype == self["weight"].dtype):
+            view = shim_decode.shown_view(self)
+            if view is not None:
+                return shim_decode.product(self, view, x)
+        return nn.Embedding.as_linear(self, x)
+
+
 _FAST_CLASSES: dict[type, type] = {nn.Linear: _FastLinear, nn.QuantizedLinear: _FastQuantizedLinear,
-                                   nn.QuantizedEmbedding: _FastQuantizedEmbedding}
+                                   nn.QuantizedEmbedding: _FastQuantizedEmbedding,
+                                   nn.Embedding: _FastEmbedding}
 _STOCK_CLASSES = {v: k for k, v in _FAST_CLASSES.items()}
 
 
@@ -640,16 +656,18 @@ def _candidates(model: nn.Module) -> list[nn.Module]:
 def _decode_heads(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
     """Layers outside the blocks that may decode on float32 and are never converted for
     a prefill: affine quantized ones (the LM head, a tied embedding) and a dense
-    half-precision LM head (a tied dense embedding stays stock)."""
+    half-precision LM head, or the embedding of a model without one (a tied head: its
+    `as_linear`)."""
     inside = {id(m) for b in blocks for _, m in b.named_modules()}
+    outside = [(m, _STOCK_CLASSES.get(type(m), type(m))) for _, m in model.named_modules()
+               if id(m) not in inside]
+    tied = not any(kind in (nn.Linear, nn.QuantizedLinear) for _, kind in outside)
     found = []
-    for _, m in model.named_modules():
-        kind = _STOCK_CLASSES.get(type(m), type(m))
-        if id(m) in inside:
-            continue
+    for m, kind in outside:
         quantized = (kind in (nn.QuantizedLinear, nn.QuantizedEmbedding)
                      and m.mode == "affine" and "biases" in m and m["scales"].dtype in HALF)
-        dense = kind is nn.Linear and m["weight"].dtype in HALF
+        dense = ((kind is nn.Linear or (kind is nn.Embedding and tied))
+                 and m["weight"].dtype in HALF)
         if quantized or dense:
             found.append(m)
     return found
@@ -657,6 +675,11 @@ def _decode_heads(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
 
 def _is_dense(m: nn.Module) -> bool:
     return _STOCK_CLASSES.get(type(m), type(m)) is nn.Linear
+
+
+def _is_embedding(m: nn.Module) -> bool:
+    """A dense embedding (a tied dense model's LM head)."""
+    return _STOCK_CLASSES.get(type(m), type(m)) is nn.Embedding
 
 
 def _shape(m: nn.Module) -> tuple[int, int]:
@@ -744,7 +767,7 @@ def measure_shim_decode(layers: list[nn.Module], repeats: int = DECODE_REPEATS
     m, view = max(shown, key=lambda p: p[0]["weight"].shape[0] * shim_decode.in_features(p[0]))
     dtype = m["scales"].dtype if "scales" in m else m["weight"].dtype
     x = mx.ones((1, 1, shim_decode.in_features(m)), dtype=dtype)
-    now = m.as_linear if isinstance(m, nn.QuantizedEmbedding) else m
+    now = m.as_linear if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)) else m
     try:
         return (_time_ms(lambda: now(x), repeats),
                 _time_ms(lambda: shim_decode.product(m, view, x), repeats))
@@ -879,7 +902,8 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
     half, half_reason = _choose_shim_decode(
         [m for m in layers if _is_dense(m)], kernel_mode, "dense layers", "stock")
     heads = [m for m in _decode_heads(model, blocks)
-             if ((decode_dense or half) and _is_dense(m)) or (quantized and not _is_dense(m))]
+             if ((decode_dense or half) and _is_dense(m)) or (half and _is_embedding(m))
+             or (quantized and not _is_dense(m) and not _is_embedding(m))]
     for m in layers + heads:
         m._fast_prefill = plan
         m.__class__ = _FAST_CLASSES[_STOCK_CLASSES.get(type(m), type(m))]
@@ -887,7 +911,7 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
         if isinstance(m, (_FastQuantizedLinear, _FastLinear)):
             m._decode_only = True
     if half:
-        shim_decode.show_layers([m for m in heads if _is_dense(m)])
+        shim_decode.show_layers([m for m in heads if _is_dense(m) or _is_embedding(m)])
 
     plan.wrapped = [weakref.ref(m) for m in layers + heads]
     _patch_modules(model)
@@ -915,7 +939,8 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
         plan.decode_reason = f"{plan.decode_reason}; {half_reason}"
     if quantized:
         plan.decode_quant, quant_reason = _choose_shim_decode(
-            [m for m in layers + heads if not _is_dense(m)], kernel_mode, "quantized layers",
+            [m for m in layers + heads if not _is_dense(m) and not _is_embedding(m)],
+            kernel_mode, "quantized layers",
             "float32" if plan.decode_fp32 else "stock")
         if quant_reason:
             plan.decode_reason = f"{plan.decode_reason}; {quant_reason}"
