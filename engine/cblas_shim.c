@@ -442,8 +442,10 @@ int plimsoll_quant_gemv(int bits, int group, int skind, int m, int k, const floa
  * until it unregisters it, so no other array can be at that address; a product by one in
  * a shape it was not registered for gets NaN, not the BLAS's reading of its bits.
  *
- * Python registers under a lock; a product only ever finds a weight its own thread
- * registered, so readers need no more than the pointer being written last. */
+ * Python registers under a lock, before it builds any graph that multiplies by the
+ * weight; MLX runs that product later on its stream's thread, after its task queue has
+ * ordered the registration before it. A product that finds a slot only ever finds one
+ * registered that way, so readers need no more than the pointer being written last. */
 enum { SHOWN_WEIGHTS = 4096 };
 static struct {
   const void *volatile p;
@@ -528,7 +530,8 @@ static int shown_product(int order, int trans_a, int trans_b, int m, int n, int 
         m % F) {
       const union { unsigned u; float f; } nan = {0x7fc00000u};
       for (int i = 0; i < m; i++)
-        for (int j = 0; j < n; j++) c[(i64)i * ldc + j] = nan.f;
+        for (int j = 0; j < n; j++)
+          c[order == ROW_MAJOR ? (i64)i * ldc + j : (i64)j * ldc + i] = nan.f;
       return 1;
     }
     int rows = m / F, real = shown[s].k;

@@ -453,11 +453,10 @@ def _numpy_mask_ok(mask: Any, q: mx.array, s_len: int) -> bool:
 
 def _decode_attention_ok(queries: mx.array, keys: mx.array, mask: Any, sinks: Any,
                          cache: Any, kwargs: dict) -> bool:
-    """A decode step's attention in a half-precision model on a thread whose plan decodes
-    through the shim (`_decode_attention`)."""
+    """A decode step's attention in a half-precision or quantized model on a thread
+    whose plan decodes through the shim's kernels (`shim_decode.decode_attention`)."""
     plan: FastPrefill | None = getattr(_thread, "plan", None)
-    if (plan is None or not (plan.decode_half or plan.decode_quant or plan.decode_fp32)
-            or queries.ndim != 4
+    if (plan is None or not (plan.decode_half or plan.decode_quant) or queries.ndim != 4
             or queries.shape[2] != 1
             or queries.dtype not in HALF or keys.dtype != queries.dtype or sinks is not None
             or kwargs or hasattr(cache, "bits") or queries.shape[1] % keys.shape[1]

@@ -35,6 +35,8 @@ HALF_KINDS = {mx.bfloat16: blas.HALF_BF16, mx.float16: blas.HALF_F16}
 SCALE_KINDS = {mx.bfloat16: blas.SCALE_BF16, mx.float16: blas.SCALE_F16,
                mx.float32: blas.SCALE_F32}
 QUANT_BITS = (4, 8)
+# What one product's MLX output may hold (it is `spread` times the real y, below).
+PRODUCT_OUTPUT_BYTES = 8 << 20
 
 
 @dataclass
@@ -43,7 +45,10 @@ class _Shown:
     multiplies by, and what the registration keeps alive (the weight; a quantized layer's
     scales and biases)."""
 
-    held: tuple[mx.array, ...]
+    held: tuple[mx.array, ...]  # the layer's arrays when registered (a rebinding shows)
+    # The registered buffers themselves (NumPy views keep them alive even if the layer's
+    # arrays are later updated in place: the kernel then reads stale, never freed, bytes).
+    buffers: tuple
     view: mx.array  # MLX's own buffer, seen as float32
     release: weakref.finalize  # unregisters once: here, or when the layer is collected
 
@@ -106,7 +111,7 @@ def show(m: nn.Module) -> mx.array | None:
                                   HALF_KINDS[w.dtype])
     if slot is None:
         return None
-    object.__setattr__(m, "_shim_shown", _Shown(_parts(m), view,
+    object.__setattr__(m, "_shim_shown", _Shown(_parts(m), tuple(arrays), view,
                                                 weakref.finalize(m, blas.half_unregister,
                                                                  slot)))
     return view
@@ -140,7 +145,12 @@ def product(m: nn.Module, view: mx.array, x: mx.array) -> mx.array:
     rows = int(x32.shape[0])
     a = _rows(m, x32, width)
     spread = a.shape[1] // width
-    y = (mx.contiguous(a).reshape(spread * rows, width) @ view.T)[:rows]
+    # MLX's output is `spread` times the real one: a few rows at a time past a bound, so
+    # a wide LM head over many sequences never holds more than that at once.
+    step = max(1, min(blas.HALF_ROWS, PRODUCT_OUTPUT_BYTES // (spread * n * 4)))
+    parts = [(mx.contiguous(a[r:r + step]).reshape(-1, width) @ view.T)[:min(step, rows - r)]
+             for r in range(0, rows, step)]
+    y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
     if "bias" in m:
         y = y + m["bias"].astype(mx.float32)
     return y.reshape(*x.shape[:-1], n).astype(x.dtype)
@@ -225,8 +235,9 @@ def show_layers(layers: list[nn.Module]) -> list[nn.Module]:
         view = show(m)
         if view is None:
             continue
-        key = (tuple(m["weight"].shape), in_features(m), getattr(m, "bits", 16),
-               getattr(m, "group_size", 0))
+        key = (tuple(m["weight"].shape), m["weight"].dtype, in_features(m),
+               getattr(m, "bits", 16), getattr(m, "group_size", 0),
+               m["scales"].dtype if "scales" in m else None, "bias" in m)
         if key not in checked:
             checked[key] = _checks(m, view)
         if checked[key]:
@@ -249,7 +260,8 @@ def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
     q = (queries * mx.array(scale, dtype=dtype)).astype(f32).reshape(b, kv, h // kv, d)
     scores = (q @ keys.astype(f32).swapaxes(-1, -2)).astype(dtype)  # (B, KV, rep, S)
     if mask is not None:
-        scores = (mx.where(mask, scores, mx.array(-mx.inf, dtype=dtype))
+        # The dtype's lowest value, as MLX fills: a row with every key hidden averages.
+        scores = (mx.where(mask, scores, mx.array(mx.finfo(dtype).min, dtype=dtype))
                   if mask.dtype == mx.bool_ else scores + mask)
     weights = mx.softmax(scores, axis=-1, precise=True)
     out = (weights.astype(f32) @ values.astype(f32)).astype(dtype)
