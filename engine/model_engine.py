@@ -217,10 +217,11 @@ FinishHook = Callable[[GenerationRequest, list[Any], list[int]], None]
 class PrefillPlanner(Protocol):
     """Sizes prefill chunks against the memory ceiling (set by the service)."""
 
-    def plan(self, mlx_active_bytes: int, remaining_tokens: int,
+    def plan(self, mlx_bytes: int, remaining_tokens: int,
              prompt_tokens: int = 0) -> tuple[int, bool]:
-        """(tokens for the next chunk, whether to abort before it); `prompt_tokens`: the
-        longest prompt being prefilled (its attention spans all of it)."""
+        """(tokens for the next chunk, whether to abort before it); `mlx_bytes`: MLX's
+        active memory and pool now; `prompt_tokens`: the longest prompt being prefilled
+        (its attention spans all of it)."""
         ...
 
     def observe(self, tokens: int, bytes_delta: int, prompt_tokens: int = 0) -> None:
@@ -760,7 +761,8 @@ class ModelEngine:
                                 - i.prefilled - 1) for i in prefilling)
             if remaining <= 0:
                 return 0
-            active = mx.get_active_memory()
+            # MLX's memory now: active buffers and its pool (held, reusable by the chunk).
+            active = mx.get_active_memory() + mx.get_cache_memory()
             longest = max(len(i.request.prompt_tokens) for i in prefilling)
             chunk, abort = planner.plan(active, remaining, longest)
             if not abort:

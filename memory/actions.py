@@ -172,7 +172,7 @@ class PropagateLimits:
 
     ceiling_bytes: int
     abort_cap_bytes: int
-    non_mlx_bytes: int  # process usage beyond MLX active memory
+    non_mlx_bytes: int  # process usage beyond MLX's active memory and pool
     tier: Tier = Tier.BALANCED
 
 

@@ -52,7 +52,7 @@ def _figures(sample: MlxSample | None) -> MlxFigures | None:
 class GuardLimits:
     ceiling_bytes: int
     abort_cap_bytes: int
-    non_mlx_bytes: int  # process usage beyond MLX active, at the last tick
+    non_mlx_bytes: int  # process usage beyond MLX's active memory and pool, last tick
     tier: Tier
 
 
@@ -90,14 +90,14 @@ class PrefillGuard:
                tier: Tier) -> None:
         self.limits = GuardLimits(ceiling_bytes, abort_cap_bytes, non_mlx_bytes, tier)
 
-    def plan(self, mlx_active_bytes: int, remaining_tokens: int,
+    def plan(self, mlx_bytes: int, remaining_tokens: int,
              prompt_tokens: int = 0) -> tuple[int, bool]:
         limits = self.limits
         if limits is None:
             return min(self.max_chunk, remaining_tokens), False
         # Attention over the whole prompt, as admission projects its last chunk.
         per_token, fixed = self.cost.linear(prompt_tokens or remaining_tokens)
-        usage = limits.non_mlx_bytes + mlx_active_bytes + fixed
+        usage = limits.non_mlx_bytes + mlx_bytes + fixed
         chunk = plan_chunk(tier=limits.tier, ceiling_bytes=limits.ceiling_bytes,
                            usage_bytes=usage, bytes_per_token=per_token,
                            remaining_tokens=remaining_tokens, min_chunk=self.min_chunk,

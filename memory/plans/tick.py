@@ -289,8 +289,12 @@ def plan_cap_walk(
 
 
 def plan_propagate(readings: MemoryReadings, limits: Limits) -> PropagateLimits:
-    """This tick's ceiling for the engines' prefill chunk sizing."""
-    non_mlx = max(0, readings.process_bytes - (readings.mlx_active_bytes or 0))
+    """This tick's ceiling for the engines' prefill chunk sizing. The non-MLX term
+    leaves out MLX's buffer pool as well as its active memory: the guard adds both as
+    they are when it plans (a pool an admission reclaimed since this tick, or one a
+    chunk has since reused, is not counted twice)."""
+    non_mlx = max(0, readings.process_bytes - (readings.mlx_active_bytes or 0)
+                  - (readings.mlx_pool_bytes or 0))
     return PropagateLimits(limits.ceiling_bytes, limits.abort_cap_bytes, non_mlx, limits.tier)
 
 

@@ -105,7 +105,7 @@ class FixedPlanner:
         self.chunk = chunk
         self.abort = abort
 
-    def plan(self, mlx_active_bytes: int, remaining_tokens: int,
+    def plan(self, mlx_bytes: int, remaining_tokens: int,
              prompt_tokens: int = 0) -> tuple[int, bool]:
         return self.chunk, self.abort
 
