@@ -385,29 +385,22 @@ def half_gemv() -> Callable[..., int] | None:
     reference BLAS, macOS). Its arguments: kind (HALF_BF16 / HALF_F16), rows (at most
     HALF_ROWS), k, x pointer, x row stride, weight pointer, weight row stride, y pointer,
     y row stride, first and end output column; it returns 0, or -1 for bad arguments."""
-    global _half_fn
-    if _half_fn is None:
-        for lib in _handles:
-            fn = getattr(lib, "plimsoll_half_gemv", None)
-            if fn is not None:
-                p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-                fn.argtypes = [i, i, i, p, ll, p, ll, p, ll, i, i]
-                fn.restype = ctypes.c_int
-                _half_fn = fn
-                break
-    return _half_fn
-
-
-_half_fn: Callable[..., int] | None = None  # set once the shim is loaded and asked for
+    p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    return _shim_function("plimsoll_half_gemv", [i, i, i, p, ll, p, ll, p, ll, i, i], i)
 
 
 def _shim_function(name: str, argtypes: list, restype) -> Callable[..., int] | None:
-    for lib in _handles:
-        fn = getattr(lib, name, None)
+    """The shim's function `name`, typed once; None until a loaded library has it."""
+    fn = _shim_functions.get(name)
+    if fn is None:
+        fn = next((f for lib in _handles if (f := getattr(lib, name, None)) is not None), None)
         if fn is not None:
             fn.argtypes, fn.restype = argtypes, restype
-            return fn
-    return None
+            _shim_functions[name] = fn
+    return fn
+
+
+_shim_functions: dict[str, Callable[..., int]] = {}
 
 
 _half_lock = threading.Lock()
