@@ -10,7 +10,11 @@ import asyncio
 import contextlib
 import ctypes
 import platform
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -19,9 +23,11 @@ import pytest
 from engine import blas, fast_prefill, shim_decode
 from engine.demo_models import ensure_demo_variant
 from engine.model_engine import EngineSettings, ModelEngine
+from plimsoll.v1 import control_pb2, inference_pb2
 from service.cli import build_parser
-from tests.integration.test_fast_prefill import STEP, greedy, prompts
+from tests.integration.test_fast_prefill import LOGIT_TOL_4BIT, STEP, greedy, prompts
 from tests.support.near_tie import agree_but_at_a_near_tie
+from tools.harness.server import start_server, wait_all_serving
 
 pytestmark = pytest.mark.skipif(
     fast_prefill.environment_reason() is not None or blas.half_gemv() is None,
@@ -464,6 +470,67 @@ def test_a_tied_dense_lm_head_decodes_through_the_kernel():
     finally:
         fast_prefill.uninstall(plan)
     assert type(embed) is nn.Embedding and shim_decode.shown_view(embed) is None
+
+
+def _generate(inference, model_id: str, ids: list[int], max_tokens: int) -> list[int]:
+    req = inference_pb2.GenerateRequest(
+        model_id=model_id, token_ids=inference_pb2.TokenIds(ids=ids), max_tokens=max_tokens,
+        ignore_eos=True,
+        sampling=inference_pb2.SamplingParams(temperature=0))
+    return [t for m in inference.Generate(req, timeout=120)
+            if m.WhichOneof("event") == "chunk" for t in m.chunk.token_ids]
+
+
+def test_a_served_4bit_model_decodes_through_the_kernel_for_several_clients(tmp_path):
+    """`plimsoll serve` on the small 4-bit model with the defaults (the kernel measures
+    faster at load: ~0.4 against ~3 ms on its largest layer) and with --no-decode-kernel,
+    side by side: four clients at once on each over gRPC, greedy tokens agreeing but where
+    the stock path's best two logits are within twice the stated 4-bit tolerance; then
+    SIGTERM with four streams in flight ends every stream (a two-second drain) and the
+    server exits cleanly."""
+    path = ensure_demo_variant("small", "4bit")
+    prompts = [list(range(5 + 3 * i, 60 + 5 * i)) for i in range(4)]
+    # A short drain, so that the streams still decoding at SIGTERM are ended by it.
+    servers = [start_server(tmp_path, "--model", str(path), "--drain-seconds", "2", *args,
+                            wait=False) for args in ((), ("--no-decode-kernel",))]
+    try:
+        wait_all_serving(servers)
+        answers = []
+        for srv in servers:
+            with srv.stubs() as (control, inference):
+                model = control.ListModels(control_pb2.ListModelsRequest(),
+                                           timeout=30).models[0].model_id
+                with ThreadPoolExecutor(len(prompts)) as pool:
+                    answers.append(list(pool.map(
+                        lambda p, inf=inference, m=model: _generate(inf, m, p, 24), prompts)))
+        fast_log, stock_log = servers[0].log(), servers[1].log()
+        assert "quantized layers through the" in fast_log, fast_log[-2000:]
+        assert "quantized layers through the" not in stock_log
+        for p, a, b in zip(prompts, *answers, strict=True):
+            assert len(a) == len(b) == 24
+            # Each path is within the stated 4-bit tolerance of the stock one's logits
+            # (MLX's bfloat16 quantized product): they may part where its best two are
+            # within twice that.
+            agree_but_at_a_near_tie(path, p, a, b, max_gap=2 * LOGIT_TOL_4BIT)
+        with servers[0].stubs() as (control, inference), ThreadPoolExecutor(4) as pool:
+            streams = [pool.submit(_generate, inference, model, p, 2000) for p in prompts]
+            time.sleep(1.0)  # every stream decoding
+            assert not any(f.done() for f in streams)
+            assert servers[0].stop() == 0
+            for f in streams:
+                try:
+                    f.result(timeout=60)  # ended, with whatever the drain answered
+                except grpc.RpcError as err:
+                    assert err.code() in (grpc.StatusCode.UNAVAILABLE,
+                                          grpc.StatusCode.CANCELLED,
+                                          grpc.StatusCode.ABORTED), err
+    except BaseException:
+        for srv in servers:
+            print(f"server log tail:\n{srv.log()[-3000:]}", file=sys.stderr)
+        raise
+    finally:
+        for srv in servers:
+            srv.stop()
 
 
 def test_serve_has_a_flag_that_turns_it_off():
