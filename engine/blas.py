@@ -77,6 +77,11 @@ GEMM_PARALLEL_MIN = 1 << 22
 # (docs/benchmarks.md, "Two and three rows as sgemv"). The variable overrides it.
 GEMV_ROWS_ENV = "PLIMSOLL_BLAS_GEMV_ROWS"
 GEMV_ROWS = 3
+# The shim's decode kernels run a product of at least KERNEL_PARALLEL_MIN_BYTES of weight on
+# this many threads (default: the BLAS's; 1: one thread), its output columns split
+# between MLX's thread and helpers (engine/cblas_shim.c, "more than one thread").
+KERNEL_THREADS_ENV = "PLIMSOLL_KERNEL_THREADS"
+KERNEL_PARALLEL_MIN_BYTES = 1 << 20
 FLAG = "--no-optimized-blas"
 OFF_VALUES = frozenset({"reference", "off", "0", "false", "no", "none"})
 AUTO_VALUES = frozenset({"", "auto", "1", "on", "true", "yes"})
@@ -406,6 +411,56 @@ _shim_functions: dict[str, Callable[..., int]] = {}
 _half_lock = threading.Lock()
 
 
+def kernel_threads() -> int:
+    """Threads a large decode-kernel product runs on: $PLIMSOLL_KERNEL_THREADS, else the
+    BLAS's (the usable CPUs); 1 without the shim's helpers (not x86_64 Linux)."""
+    raw = os.environ.get(KERNEL_THREADS_ENV, "").strip()
+    threads = state().threads if _state is not None else usable_cpus()
+    if raw:
+        try:
+            threads = int(raw)
+        except ValueError:
+            log.warning("%s=%r is not a number; using %d", KERNEL_THREADS_ENV, raw, threads)
+    return max(1, min(threads, KERNEL_MAX_THREADS))
+
+
+KERNEL_MAX_THREADS = 8  # engine/cblas_shim.c: MAX_HELPERS + 1
+
+
+def _start_kernel_helpers() -> None:
+    """Starts the shim's helper threads once, the first time a weight is registered: each
+    a daemon thread that calls `plimsoll_kernel_helper`, which never returns (ctypes
+    releases the GIL for it). Then products from KERNEL_PARALLEL_MIN_BYTES are shared."""
+    global _helpers_started
+    if _helpers_started:
+        return
+    _helpers_started = True
+    helper = _shim_function("plimsoll_kernel_helper", [ctypes.c_int, ctypes.c_int], None)
+    share = _shim_function("plimsoll_kernel_share", [ctypes.c_longlong], None)
+    helpers = kernel_threads() - 1
+    if helper is None or share is None or helpers < 1:
+        return
+    for i in range(helpers):
+        threading.Thread(target=helper, args=(i, helpers), name=f"plimsoll-kernel-{i + 1}",
+                         daemon=True).start()
+    share(KERNEL_PARALLEL_MIN_BYTES)
+
+
+_helpers_started = False
+
+
+def kernel_shared() -> tuple[int, int, int]:
+    """Decode-kernel products shared with the helper threads since the load, their output
+    columns, and how many of those the helpers computed; zeros without them."""
+    p = ctypes.POINTER(ctypes.c_longlong)
+    fn = _shim_function("plimsoll_kernel_counts", [p, p, p], None)
+    if fn is None:
+        return 0, 0, 0
+    out = [ctypes.c_longlong() for _ in range(3)]
+    fn(*(ctypes.byref(v) for v in out))
+    return out[0].value, out[1].value, out[2].value
+
+
 def half_register(pointer: int, n: int, k: int, kind: int) -> int | None:
     """Registers the n x k half-precision weight at `pointer` (rows k values apart) with
     the shim, whose cblas_sgemm then runs the half-precision kernel for a float32 product
@@ -418,6 +473,7 @@ def half_register(pointer: int, n: int, k: int, kind: int) -> int | None:
     if fn is None:
         return None
     with _half_lock:
+        _start_kernel_helpers()
         slot = fn(pointer, n, k, kind)
     return slot if slot >= 0 else None
 
@@ -435,6 +491,7 @@ def quant_register(pointer: int, n: int, k: int, bits: int, group: int, scales: 
     if fn is None:
         return None
     with _half_lock:
+        _start_kernel_helpers()
         slot = fn(pointer, n, k, bits, group, scales, biases, scale_kind)
     return slot if slot >= 0 else None
 

@@ -517,6 +517,191 @@ static void shown_shape(int s, int *K, int *F) {
   *F = (k + k / shown[s].group + *K - 1) / *K;
 }
 
+
+/* One registered product, the columns [j0, j1) of its output. */
+struct shown_job {
+  int s, rows;
+  const float *a;
+  i64 lda;
+  float *c;
+  i64 ldc;
+};
+
+static void shown_columns(const struct shown_job *job, int j0, int j1) {
+  int s = job->s, real = shown[s].k;
+  for (int r0 = 0; r0 < job->rows; r0 += HALF_ROWS) {
+    int r = job->rows - r0 < HALF_ROWS ? job->rows - r0 : HALF_ROWS;
+    const float *a = job->a + r0 * job->lda;
+    float *c = job->c + (i64)r0 * job->ldc;
+    if (shown[s].bits == 16)
+      plimsoll_half_gemv(shown[s].kind, r, real, a, job->lda,
+                         (const unsigned short *)shown[s].p, real, c, job->ldc, j0, j1);
+    else
+      plimsoll_quant_gemv(shown[s].bits, shown[s].group, shown[s].kind, r, real, a,
+                          job->lda, shown[s].p, shown[s].scales, shown[s].biases, c,
+                          job->ldc, j0, j1);
+  }
+}
+
+/* -- a large shown product on more than one thread (x86_64 Linux) ----------------------
+ *
+ * One thread reads memory at ~24 GB/s here, two at ~36: a decode step's large products
+ * are shared by the thread MLX calls us on and helper threads, in blocks of output
+ * columns that each takes from a counter as it goes (every output is still one
+ * thread's fixed sum: the result is the same bits). A helper the scheduler has not run
+ * yet costs nothing: MLX's thread takes every block left, and waits only for blocks a
+ * helper is in the middle of. The helpers are Python threads that engine/blas.py
+ * starts inside `plimsoll_kernel_helper`, which never returns; they spin briefly after
+ * a product, then sleep on a futex. No libc: system calls by hand, atomics that compile
+ * inline. A forked child has no helpers, so a product is only shared in the process
+ * they started in. */
+#if defined(__x86_64__) && defined(__linux__)
+enum { MAX_HELPERS = 7, FUTEX_WAIT = 128, FUTEX_WAKE = 129 }; /* the _PRIVATE ops */
+
+static long sys_call3(long nr, long a, long b, long c) {
+  long ret;
+  register long r10 __asm__("r10") = 0;
+  __asm__ volatile("syscall" : "=a"(ret) : "a"(nr), "D"(a), "S"(b), "d"(c), "r"(r10)
+                   : "rcx", "r11", "memory");
+  return ret;
+}
+static long sys_getpid(void) { return sys_call3(39, 0, 0, 0); }
+static void futex_wait(volatile unsigned *p, unsigned seen) {
+  sys_call3(202, (long)p, FUTEX_WAIT, (int)seen);
+}
+static void futex_wake(volatile unsigned *p) { sys_call3(202, (long)p, FUTEX_WAKE, 0x7fffffff); }
+#define LOAD(p) __atomic_load_n(p, __ATOMIC_ACQUIRE)
+#define STORE(p, v) __atomic_store_n(p, v, __ATOMIC_RELEASE)
+#define FENCE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+
+static struct shown_job shared_job;
+static int shared_n, shared_block;
+/* The product's generation (high 32 bits) and the next column to take (low 32 bits):
+ * a late helper's take fails once the next product has begun. */
+static volatile unsigned long long shared_next;
+static volatile unsigned generation, columns_done; /* futex words */
+static volatile int helper_asleep[MAX_HELPERS], caller_asleep;
+static volatile int helpers_wanted, helpers_ready, busy;
+static volatile long helpers_pid;
+static i64 parallel_min_bytes = (i64)1 << 62, shared_calls, shared_columns;
+static volatile i64 helper_columns;
+/* Pauses a helper spins after a product before it sleeps, and MLX's thread for the last
+ * blocks (~40 us on this machine's CPUs). */
+enum { HELPER_SPIN = 1500, CALLER_SPIN = 1500 };
+
+/* Takes and runs blocks of product `g` until none is left; the columns it ran. */
+static int take_blocks(unsigned g) {
+  int ran = 0;
+  for (;;) {
+    unsigned long long now = LOAD(&shared_next);
+    if ((unsigned)(now >> 32) != g || (int)(unsigned)now >= shared_n) return ran;
+    int j0 = (int)(unsigned)now, j1 = j0 + shared_block < shared_n ? j0 + shared_block : shared_n;
+    if (!__atomic_compare_exchange_n(&shared_next, &now, ((unsigned long long)g << 32) | (unsigned)j1,
+                                     0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+      continue;
+    shown_columns(&shared_job, j0, j1);
+    __atomic_add_fetch(&columns_done, (unsigned)(j1 - j0), __ATOMIC_ACQ_REL);
+    ran += j1 - j0;
+  }
+}
+
+
+/* Helper `index` (0 .. helpers - 1) of `helpers`: takes blocks of each shared product.
+ * Called once per helper, on a thread of its own; never returns. */
+void plimsoll_kernel_helper(int index, int helpers) {
+  if (index < 0 || index >= MAX_HELPERS || helpers < 1 || helpers > MAX_HELPERS) return;
+  /* SCHED_IDLE: a helper only ever takes a core no other thread wants (MLX's encoding
+   * thread, the event loop, the clients): blocks it does not take, MLX's thread does. */
+  int param = 0;                      /* struct sched_param: its priority, 0 */
+  sys_call3(144, 0, 5, (long)&param); /* sched_setscheduler(this thread, SCHED_IDLE) */
+  unsigned seen = LOAD(&generation);
+  if (__atomic_add_fetch(&helpers_ready, 1, __ATOMIC_SEQ_CST) == helpers) {
+    helpers_pid = sys_getpid();
+    STORE(&helpers_wanted, helpers);
+  }
+  for (;;) {
+    unsigned now = LOAD(&generation);
+    for (int i = 0; now == seen && i < HELPER_SPIN; i++) {
+      __builtin_ia32_pause();
+      now = LOAD(&generation);
+    }
+    if (now == seen) {
+      STORE(&helper_asleep[index], 1);
+      FENCE();
+      if (LOAD(&generation) == seen) futex_wait(&generation, seen);
+      STORE(&helper_asleep[index], 0);
+      continue;
+    }
+    seen = now;
+    int got = take_blocks(now);
+    if (got) {
+      __atomic_add_fetch(&helper_columns, got, __ATOMIC_RELAXED);
+      FENCE();
+      if (LOAD(&caller_asleep)) futex_wake(&columns_done);
+    }
+  }
+}
+
+/* From now on products of at least `min_bytes` of weight are shared (a huge value: none). */
+void plimsoll_kernel_share(i64 min_bytes) { parallel_min_bytes = min_bytes; }
+
+/* Products shared since the load, their output columns, and how many of those the helpers
+ * computed (tests read them). */
+void plimsoll_kernel_counts(i64 *shared, i64 *columns, i64 *by_helpers) {
+  *shared = shared_calls;
+  *columns = shared_columns;
+  *by_helpers = __atomic_load_n(&helper_columns, __ATOMIC_RELAXED);
+}
+
+static i64 shown_row_bytes(int s) {
+  return shown[s].bits == 16 ? (i64)shown[s].k * 2 : (i64)shown[s].k * shown[s].bits / 8;
+}
+
+/* The product shared with the helpers if it is large enough and they are up (and this is
+ * their process, and no other stream shares them now); 0 if not. */
+static int shared_product(const struct shown_job *job, int n) {
+  i64 row = shown_row_bytes(job->s);
+  if (!LOAD(&helpers_wanted) || row * n < parallel_min_bytes || sys_getpid() != helpers_pid ||
+      __atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE))
+    return 0;
+  /* Blocks of ~64 KB of weight, whole multiples of 16 columns: no two threads write one
+   * cache line of y. */
+  int block = (int)((65536 + row - 1) / row + 15) & ~15;
+  shared_job = *job;
+  shared_n = n;
+  shared_block = block;
+  STORE(&columns_done, 0);
+  unsigned g = generation + 1;
+  STORE(&shared_next, (unsigned long long)g << 32);
+  STORE(&generation, g);
+  FENCE();
+  for (int h = 0; h < helpers_wanted; h++)
+    if (LOAD(&helper_asleep[h])) {
+      futex_wake(&generation);
+      break;
+    }
+  take_blocks(g);
+  unsigned seen;
+  for (int i = 0; LOAD(&columns_done) != (unsigned)n && i < CALLER_SPIN; i++)
+    __builtin_ia32_pause();
+  while ((seen = LOAD(&columns_done)) != (unsigned)n) {
+    STORE(&caller_asleep, 1);
+    FENCE();
+    if (LOAD(&columns_done) == seen) futex_wait(&columns_done, seen);
+    STORE(&caller_asleep, 0);
+  }
+  shared_calls++;
+  shared_columns += n;
+  STORE(&busy, 0);
+  return 1;
+}
+#else
+static int shared_product(const struct shown_job *job, int n) {
+  (void)job, (void)n;
+  return 0;
+}
+#endif
+
 static int shown_product(int order, int trans_a, int trans_b, int m, int n, int k,
                          float alpha, const float *a, int lda, const float *b, int ldb,
                          float beta, float *c, int ldc) {
@@ -534,18 +719,9 @@ static int shown_product(int order, int trans_a, int trans_b, int m, int n, int 
           c[order == ROW_MAJOR ? (i64)i * ldc + j : (i64)j * ldc + i] = nan.f;
       return 1;
     }
-    int rows = m / F, real = shown[s].k;
-    i64 lda = (i64)F * K;
-    for (int r0 = 0; r0 < rows; r0 += HALF_ROWS) {
-      int r = rows - r0 < HALF_ROWS ? rows - r0 : HALF_ROWS;
-      if (shown[s].bits == 16)
-        plimsoll_half_gemv(shown[s].kind, r, real, a + r0 * lda, lda,
-                           (const unsigned short *)b, real, c + (i64)r0 * ldc, ldc, 0, n);
-      else
-        plimsoll_quant_gemv(shown[s].bits, shown[s].group, shown[s].kind, r, real,
-                            a + r0 * lda, lda, b, shown[s].scales, shown[s].biases,
-                            c + (i64)r0 * ldc, ldc, 0, n);
-    }
+    struct shown_job job = {s, m / F, a, (i64)F * K, c, ldc};
+    if (!shared_product(&job, n))
+      shown_columns(&job, 0, n);
     shown_calls++;
     return 1;
   }

@@ -37,8 +37,10 @@ streams the weight at ~1.6-2.5 GB/s here, the kernel at 20-28 GB/s on one core f
 row; a 4-bit layer's kernel is 4-5x MLX's float32 quantized product at one row, 12-17x at
 four. Such a step's attention runs its two products in float32 through the BLAS too
 (`shim_decode.decode_attention`; MLX's half-precision product costs ~1 ms a layer for
-them), rounded where MLX's rounds. The float32 sums part from MLX's products only at
-near-tied greedy choices (docs/benchmarks.md). `decode_kernel=False`
+them), rounded where MLX's rounds. The kernels also take every chunk with fewer rows
+than a prefill conversion (`_kernel_rows`: a short prompt, a prompt's last tokens): MLX's
+products of 2-15 rows take 10-200x as long. The float32 sums part from MLX's products
+only at near-tied greedy choices (docs/benchmarks.md). `decode_kernel=False`
 (`--no-decode-kernel`) keeps MLX's products and attention.
 
 Otherwise decode steps (one token per sequence) take the stock path, except that a quantized model
@@ -186,6 +188,16 @@ def _prefill_rows(x: mx.array, plan: FastPrefill) -> bool:
     return x.size // max(1, x.shape[-1]) >= plan.min_tokens
 
 
+def _kernel_rows(x: mx.array, plan: FastPrefill) -> bool:
+    """Rows the shim's kernels take where the plan decodes through them: a decode step's
+    (one token per sequence) and any chunk too short for a prefill's conversion (a short
+    prompt, a prompt's last few tokens), which MLX's half-precision and quantized
+    products would take ~25-100x as long over."""
+    if x.ndim < 2:
+        return False
+    return x.shape[-2] == 1 or x.size // max(1, x.shape[-1]) < plan.min_tokens
+
+
 def _product(x: mx.array, w32: mx.array, bias: mx.array | None) -> mx.array:
     """x @ w32.T (+ bias) in float32 through BLAS, back in x's dtype, evaluated now so
     `w32` is freed before the next layer converts its weight."""
@@ -216,7 +228,7 @@ class _FastLinear(nn.Linear):
             if not self._decode_only and _prefill_rows(x, plan):
                 plan.converted += 1
                 return _product(x, w.astype(mx.float32), self.get("bias"))
-            if x.ndim >= 2 and x.shape[-2] == 1:
+            if _kernel_rows(x, plan):
                 view = shim_decode.shown_view(self) if plan.decode_half else None
                 if view is not None:
                     return shim_decode.product(self, view, x)
@@ -257,7 +269,7 @@ class _FastQuantizedLinear(nn.QuantizedLinear):
                                 self["biases"].astype(mx.float32), self.group_size,
                                 self.bits)
             return _product(x, w32, self.get("bias"))
-        if x.ndim >= 2 and x.shape[-2] == 1 and plan.decode_quant:
+        if plan.decode_quant and _kernel_rows(x, plan):
             view = shim_decode.shown_view(self)
             if view is not None:
                 return shim_decode.product(self, view, x)
@@ -274,7 +286,7 @@ class _FastQuantizedEmbedding(nn.QuantizedEmbedding):
 
     def as_linear(self, x: mx.array) -> mx.array:
         plan = self._fast_prefill
-        if x.ndim >= 2 and x.shape[-2] == 1 and plan.decode_quant:
+        if plan.decode_quant and _kernel_rows(x, plan):
             view = shim_decode.shown_view(self)
             if view is not None and x.dtype == self["scales"].dtype:
                 return shim_decode.product(self, view, x)
@@ -290,8 +302,9 @@ class _FastEmbedding(nn.Embedding):
     _fast_prefill: FastPrefill
 
     def as_linear(self, x: mx.array) -> mx.array:
-        if (x.ndim >= 2 and x.shape[-2] == 1 and self._fast_prefill.decode_half
-                and x.dtype == self["weight"].dtype):
+        plan = self._fast_prefill
+        if (plan.decode_half and x.dtype == self["weight"].dtype
+                and _kernel_rows(x, plan)):
             view = shim_decode.shown_view(self)
             if view is not None:
                 return shim_decode.product(self, view, x)
@@ -475,7 +488,7 @@ def decode_attention_bytes(plan: FastPrefill) -> int:
     values of the whole batch): half the transient admission already counts for a prefill
     chunk's converted layer (a decode step never runs beside one, and a lazy step may cast
     the next layer's before freeing one's). A batch with more stays on MLX's attention:
-    on the medium demo model 16k tokens of context, on the small one 4k."""
+    on the medium demo model one sequence of 2,560 tokens, on the small one 768."""
     return plan.transient.weight_bytes // 2
 
 

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import platform
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -177,6 +178,48 @@ async def test_engines_decode_through_it_and_part_from_stock_only_at_near_ties(v
                              asyncio.wrap_future(stock.stop()))
 
 
+@pytest.mark.parametrize("variant", ["bf16", "4bit"])
+async def test_a_short_prompt_is_prefilled_through_the_kernel(variant):
+    """A prompt shorter than a prefill chunk the fast prefill converts
+    (fast_prefill.DEFAULT_MIN_TOKENS) runs its few rows through the kernel too (MLX's own
+    half-precision and quantized products of 2-15 rows take 10-200x as long): an 8-token
+    prompt runs a kernel product more than a 1-token one for every layer its first 7 tokens
+    (one chunk) need, and greedy tokens of short prompts are MLX's own product's but at near
+    ties."""
+    path = ensure_demo_variant("tiny", variant)
+    wrapped = fast_prefill._FastLinear if variant == "bf16" else fast_prefill._FastQuantizedLinear
+    loop = asyncio.get_running_loop()
+    fast = ModelEngine("kernel", str(path), loop, EngineSettings(fast_decode="fp32"))
+    stock = ModelEngine("stock", str(path), loop, EngineSettings(fast_decode_kernel=False))
+    try:
+        await asyncio.gather(asyncio.wrap_future(fast.start()),
+                             asyncio.wrap_future(stock.start()))
+        layers = sum(isinstance(m, wrapped) and not m._decode_only
+                     for _, m in fast.info.model.named_modules())
+        tokenizer = fast.info.tokenizer
+        ids = [tokenizer.encode(t)[:n] for t, n in
+               (("Hello there", 3), ("The quick brown fox jumps", 6), ("def main():", 12))]
+        calls = []
+        for prompt in ([5], list(range(5, 13))):
+            before = blas.half_calls()
+            await greedy(fast, f"one{len(prompt)}", prompt, max_tokens=1)
+            calls.append(blas.half_calls() - before)
+        # The chunk's products that run: the last block's keys and values feed the cache,
+        # its other products nothing (lazy), every earlier block's all of them.
+        blocks = len(fast.info.model.layers)
+        needed = layers - layers // blocks + 2
+        assert calls[1] - calls[0] >= needed, (calls, needed)
+        got, want = await asyncio.gather(
+            asyncio.gather(*(greedy(fast, f"k{i}", p) for i, p in enumerate(ids))),
+            asyncio.gather(*(greedy(stock, f"s{i}", p) for i, p in enumerate(ids))))
+        for p, a, b in zip(ids, got, want, strict=True):
+            agree_but_at_a_near_tie(path, p, a, b,
+                                    max_gap=None if variant == "bf16" else 2 * LOGIT_TOL_4BIT)
+    finally:
+        await asyncio.gather(asyncio.wrap_future(fast.stop()),
+                             asyncio.wrap_future(stock.stop()))
+
+
 def test_the_choice_is_measured_at_load_and_can_be_turned_off(tiny_bf16):
     import gc
 
@@ -239,6 +282,116 @@ def test_a_shown_weight_is_multiplied_by_the_kernel_inside_mlx(bias):
                                atol=0.05, rtol=0.02).item()
     finally:
         shim_decode.hide(layer)
+
+
+def _large_layers() -> list[nn.Module]:
+    """A bfloat16 and a 4-bit layer of 4 MiB of weight each (products from
+    blas.KERNEL_PARALLEL_MIN_BYTES are shared), and a bfloat16 one below it."""
+    big = _bf16_linear(2048, 1024, False)
+    q = _quantized(4096, 2048, 4, 64, mx.bfloat16)
+    small = _bf16_linear(256, 512, False)
+    assert 2048 * 1024 * 2 >= blas.KERNEL_PARALLEL_MIN_BYTES > 256 * 512 * 2
+    return [big, q, small]
+
+
+def test_large_products_are_shared_with_the_helper_threads_for_the_same_bits():
+    """A product of at least KERNEL_PARALLEL_MIN_BYTES of weight is split between MLX's
+    thread and the helpers in blocks of columns: the direct single-thread call's result bit
+    for bit, at 1, 4 and 33 rows; the helpers compute some of the columns (within a few
+    seconds of products: they run only on a core nothing else wants); a smaller product
+    stays on one thread."""
+    if blas.kernel_threads() < 2:
+        pytest.skip("one usable CPU: no helper threads")
+    layers = _large_layers()
+    shown = shim_decode.show_layers(layers)
+    assert len(shown) == 3
+    helpers = [t for t in threading.enumerate()
+               if t.name.startswith("plimsoll-kernel-")]
+    assert len(helpers) == blas.kernel_threads() - 1 and all(t.daemon for t in helpers)
+    try:
+        for layer in layers[:2]:
+            view, k = shim_decode.shown_view(layer), shim_decode.in_features(layer)
+            for rows in (1, 4, 33):
+                x = mx.random.normal((rows, 1, k), key=mx.random.key(rows)).astype(
+                    mx.bfloat16)
+                before = blas.kernel_shared()[0]
+                got = shim_decode.product(layer, view, x)
+                mx.eval(got)
+                assert blas.kernel_shared()[0] > before
+                assert mx.array_equal(got, shim_decode.kernel_reference(layer, x)).item()
+        x = mx.random.normal((4, 1, 1024), key=mx.random.key(9)).astype(mx.bfloat16)
+        view = shim_decode.shown_view(layers[0])
+        _, _, helped = blas.kernel_shared()
+        deadline = time.monotonic() + 5.0
+        while blas.kernel_shared()[2] == helped and time.monotonic() < deadline:
+            mx.eval(shim_decode.product(layers[0], view, x))
+        assert blas.kernel_shared()[2] > helped
+        before = blas.kernel_shared()[0]
+        small = layers[2]
+        mx.eval(shim_decode.product(small, shim_decode.shown_view(small),
+                                    mx.ones((1, 1, 512), dtype=mx.bfloat16)))
+        assert blas.kernel_shared()[0] == before
+    finally:
+        for layer in layers:
+            shim_decode.hide(layer)
+
+
+def test_a_forked_child_runs_large_products_on_its_own_thread():
+    """A child forked after the helpers started has none: the shim's cblas_sgemm, called
+    directly in it for a registered weight, runs the product on the child's one thread
+    (the same bits as in the parent, where it was shared) instead of waiting forever."""
+    import os
+    import warnings
+
+    if blas.kernel_threads() < 2:
+        pytest.skip("one usable CPU: no helper threads")
+    layer = _bf16_linear(2048, 1024, False)
+    [shown] = shim_decode.show_layers([layer])
+    view = shim_decode.shown_view(shown)
+    (weight,) = shim_decode._own_buffer(view)
+    sgemm = _shim().cblas_sgemm
+    i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    sgemm.argtypes = [i, i, i, i, i, i, f, p, i, p, i, f, p, i]
+    sgemm.restype = None
+    x = np.random.default_rng(3).standard_normal((2, 1024)).astype(np.float32)
+
+    def product() -> np.ndarray:  # 2 rows of x, each two fake rows of 512 floats
+        c = np.zeros((4, 2048), dtype=np.float32)
+        sgemm(101, 111, 112, 4, 2048, 512, 1.0, x.ctypes.data, 512, weight.ctypes.data, 512,
+              0.0, c.ctypes.data, 2048)
+        return c[:2]
+
+    try:
+        before = blas.kernel_shared()[0]
+        want = product()
+        assert blas.kernel_shared()[0] == before + 1 and np.isfinite(want).all()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:  # the child: no MLX, no pytest, only the call
+            code = 0 if np.array_equal(product(), want) and \
+                blas.kernel_shared()[0] == before + 1 else 3
+            os._exit(code)
+        deadline = time.monotonic() + 30.0
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if done[0] == 0:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's product never finished")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        shim_decode.hide(layer)
+
+
+def test_kernel_threads_follow_the_blas_and_the_variable(monkeypatch):
+    monkeypatch.delenv(blas.KERNEL_THREADS_ENV, raising=False)
+    assert blas.kernel_threads() == min(blas.state().threads, blas.KERNEL_MAX_THREADS)
+    for raw, want in (("1", 1), ("3", 3), ("0", 1), ("64", blas.KERNEL_MAX_THREADS)):
+        monkeypatch.setenv(blas.KERNEL_THREADS_ENV, raw)
+        assert blas.kernel_threads() == want
+    monkeypatch.setenv(blas.KERNEL_THREADS_ENV, "many")
+    assert blas.kernel_threads() == min(blas.state().threads, blas.KERNEL_MAX_THREADS)
 
 
 def test_registrations_end_with_the_plan_the_layer_or_its_weight(tiny_bf16):
@@ -440,7 +593,8 @@ def test_a_shown_quantized_layer_runs_the_kernel_inside_mlx(bits):
 
 def test_a_tied_dense_lm_head_decodes_through_the_kernel():
     """A tied model's LM head is its embedding's `as_linear` (most small bfloat16 models):
-    decode rows go through the kernel, lookups and prefill rows stay MLX's."""
+    decode rows and a chunk shorter than a prefill's go through the kernel, lookups and
+    prefill rows stay MLX's."""
     from mlx_lm.models import llama
 
     args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
@@ -463,7 +617,14 @@ def test_a_tied_dense_lm_head_decodes_through_the_kernel():
         mx.eval(got)
         assert blas.half_calls() == before + 1 and got.shape == (2, 1, 500)
         assert mx.array_equal(got, shim_decode.kernel_reference(embed, x)).item()
-        rows = mx.random.normal((1, 3, 64), key=mx.random.key(6)).astype(mx.bfloat16)
+        short = mx.random.normal((1, 3, 64), key=mx.random.key(6)).astype(mx.bfloat16)
+        before = blas.half_calls()
+        got = embed.as_linear(short)
+        mx.eval(got)
+        assert blas.half_calls() == before + 1
+        assert mx.array_equal(got, shim_decode.kernel_reference(embed, short)).item()
+        rows = mx.random.normal((1, plan.min_tokens, 64), key=mx.random.key(6)).astype(
+            mx.bfloat16)
         before = blas.half_calls()
         assert mx.array_equal(embed.as_linear(rows), rows @ embed.weight.T).item()
         assert blas.half_calls() == before

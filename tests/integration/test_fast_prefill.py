@@ -72,9 +72,10 @@ def prompts(tokenizer) -> list[list[int]]:
     return out
 
 
-async def greedy(engine: ModelEngine, rid: str, ids: list[int]) -> list[int]:
+async def greedy(engine: ModelEngine, rid: str, ids: list[int],
+                 max_tokens: int = GENERATED) -> list[int]:
     sink: asyncio.Queue = asyncio.Queue()
-    engine.submit(GenerationRequest(rid, engine.model_id, ids, max_tokens=GENERATED,
+    engine.submit(GenerationRequest(rid, engine.model_id, ids, max_tokens=max_tokens,
                                     ignore_eos=True), sink)
     tokens: list[int] = []
     while True:

@@ -111,9 +111,11 @@ class ServerProcess:
 
 def start_server(log_dir: Path, *args: str, env: dict | None = None, wait: bool = True,
                  prefix: list[str] | None = None, timeout: float = 180,
-                 credentials: grpc.ChannelCredentials | None = None) -> ServerProcess:
+                 credentials: grpc.ChannelCredentials | None = None,
+                 cwd: Path = ROOT) -> ServerProcess:
     """`plimsoll serve --port <free> *args`, logging to `log_dir`; waits for SERVING if `wait`.
-    `credentials`: TLS for the harness's channels, when `args` turn TLS on."""
+    `credentials`: TLS for the harness's channels, when `args` turn TLS on. `cwd`: the
+    checkout whose code serves (another one's, for a benchmark against an older commit)."""
     port = free_port()
     log_path = log_dir / f"server-{port}.log"
     cmd = [*(prefix or []), sys.executable, "-m", "service.cli", "serve",
@@ -122,7 +124,7 @@ def start_server(log_dir: Path, *args: str, env: dict | None = None, wait: bool 
     full_env = {**{k: v for k, v in os.environ.items() if k != "PLIMSOLL_TOKEN"},
                 **(env or {})}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                                 env=full_env)
     server = ServerProcess(proc, port, log_path, credentials=credentials)
     if wait:
