@@ -412,8 +412,9 @@ _half_lock = threading.Lock()
 
 
 def kernel_threads() -> int:
-    """Threads a large decode-kernel product runs on: $PLIMSOLL_KERNEL_THREADS, else the
-    BLAS's (the usable CPUs); 1 without the shim's helpers (not x86_64 Linux)."""
+    """Threads a large decode-kernel product may run on: $PLIMSOLL_KERNEL_THREADS, else
+    the BLAS's (the usable CPUs). A shim without helpers (not x86_64 Linux) runs one
+    whatever this says."""
     raw = os.environ.get(KERNEL_THREADS_ENV, "").strip()
     threads = state().threads if _state is not None else usable_cpus()
     if raw:
@@ -440,9 +441,13 @@ def _start_kernel_helpers() -> None:
     helpers = kernel_threads() - 1
     if helper is None or share is None or helpers < 1:
         return
-    for i in range(helpers):
-        threading.Thread(target=helper, args=(i, helpers), name=f"plimsoll-kernel-{i + 1}",
-                         daemon=True).start()
+    try:
+        for i in range(helpers):
+            threading.Thread(target=helper, args=(i, helpers),
+                             name=f"plimsoll-kernel-{i + 1}", daemon=True).start()
+    except RuntimeError as err:  # no thread to be had: products stay on one thread
+        log.warning("decode-kernel helper threads not started: %s", err)
+        return
     share(KERNEL_PARALLEL_MIN_BYTES)
 
 

@@ -518,9 +518,13 @@ static void shown_shape(int s, int *K, int *F) {
 }
 
 
-/* One registered product, the columns [j0, j1) of its output. */
+/* One registered product, the columns [j0, j1) of its output. The weight's figures are
+ * copied from its slot when the product starts: the slot may be unregistered (its layer
+ * collected) or taken by another weight while MLX still runs a product that holds the
+ * buffer. */
 struct shown_job {
-  int s, rows;
+  const void *w, *scales, *biases;
+  int k, kind, bits, group, rows;
   const float *a;
   i64 lda;
   float *c;
@@ -528,18 +532,16 @@ struct shown_job {
 };
 
 static void shown_columns(const struct shown_job *job, int j0, int j1) {
-  int s = job->s, real = shown[s].k;
   for (int r0 = 0; r0 < job->rows; r0 += HALF_ROWS) {
     int r = job->rows - r0 < HALF_ROWS ? job->rows - r0 : HALF_ROWS;
     const float *a = job->a + r0 * job->lda;
     float *c = job->c + (i64)r0 * job->ldc;
-    if (shown[s].bits == 16)
-      plimsoll_half_gemv(shown[s].kind, r, real, a, job->lda,
-                         (const unsigned short *)shown[s].p, real, c, job->ldc, j0, j1);
+    if (job->bits == 16)
+      plimsoll_half_gemv(job->kind, r, job->k, a, job->lda, (const unsigned short *)job->w,
+                         job->k, c, job->ldc, j0, j1);
     else
-      plimsoll_quant_gemv(shown[s].bits, shown[s].group, shown[s].kind, r, real, a,
-                          job->lda, shown[s].p, shown[s].scales, shown[s].biases, c,
-                          job->ldc, j0, j1);
+      plimsoll_quant_gemv(job->bits, job->group, job->kind, r, job->k, a, job->lda, job->w,
+                          job->scales, job->biases, c, job->ldc, j0, j1);
   }
 }
 
@@ -550,7 +552,9 @@ static void shown_columns(const struct shown_job *job, int j0, int j1) {
  * columns that each takes from a counter as it goes (every output is still one
  * thread's fixed sum: the result is the same bits). A helper the scheduler has not run
  * yet costs nothing: MLX's thread takes every block left, and waits only for blocks a
- * helper is in the middle of. The helpers are Python threads that engine/blas.py
+ * helper is in the middle of. (At normal priority: at SCHED_IDLE a helper preempted in
+ * the middle of a block could hold MLX's thread for as long as busier threads keep the
+ * cores.) The helpers are Python threads that engine/blas.py
  * starts inside `plimsoll_kernel_helper`, which never returns; they spin briefly after
  * a product, then sleep on a futex. No libc: system calls by hand, atomics that compile
  * inline. A forked child has no helpers, so a product is only shared in the process
@@ -610,10 +614,6 @@ static int take_blocks(unsigned g) {
  * Called once per helper, on a thread of its own; never returns. */
 void plimsoll_kernel_helper(int index, int helpers) {
   if (index < 0 || index >= MAX_HELPERS || helpers < 1 || helpers > MAX_HELPERS) return;
-  /* SCHED_IDLE: a helper only ever takes a core no other thread wants (MLX's encoding
-   * thread, the event loop, the clients): blocks it does not take, MLX's thread does. */
-  int param = 0;                      /* struct sched_param: its priority, 0 */
-  sys_call3(144, 0, 5, (long)&param); /* sched_setscheduler(this thread, SCHED_IDLE) */
   unsigned seen = LOAD(&generation);
   if (__atomic_add_fetch(&helpers_ready, 1, __ATOMIC_SEQ_CST) == helpers) {
     helpers_pid = sys_getpid();
@@ -653,25 +653,31 @@ void plimsoll_kernel_counts(i64 *shared, i64 *columns, i64 *by_helpers) {
   *by_helpers = __atomic_load_n(&helper_columns, __ATOMIC_RELAXED);
 }
 
-static i64 shown_row_bytes(int s) {
-  return shown[s].bits == 16 ? (i64)shown[s].k * 2 : (i64)shown[s].k * shown[s].bits / 8;
+static i64 job_row_bytes(const struct shown_job *job) {
+  return job->bits == 16 ? (i64)job->k * 2 : (i64)job->k * job->bits / 8;
 }
 
 /* The product shared with the helpers if it is large enough and they are up (and this is
  * their process, and no other stream shares them now); 0 if not. */
 static int shared_product(const struct shown_job *job, int n) {
-  i64 row = shown_row_bytes(job->s);
+  i64 row = job_row_bytes(job);
   if (!LOAD(&helpers_wanted) || row * n < parallel_min_bytes || sys_getpid() != helpers_pid ||
       __atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE))
     return 0;
   /* Blocks of ~64 KB of weight, whole multiples of 16 columns: no two threads write one
    * cache line of y. */
   int block = (int)((65536 + row - 1) / row + 15) & ~15;
+  /* Close the last product's counter before its job is overwritten: a helper that read it
+   * before it ran out, and was preempted, must not take a block of this product's figures
+   * under the last one's generation (its take now fails). */
+  unsigned last = generation;
+  STORE(&shared_next, ((unsigned long long)last << 32) | 0x7fffffffu);
+  FENCE();
   shared_job = *job;
   shared_n = n;
   shared_block = block;
   STORE(&columns_done, 0);
-  unsigned g = generation + 1;
+  unsigned g = last + 1;
   STORE(&shared_next, (unsigned long long)g << 32);
   STORE(&generation, g);
   FENCE();
@@ -719,7 +725,8 @@ static int shown_product(int order, int trans_a, int trans_b, int m, int n, int 
           c[order == ROW_MAJOR ? (i64)i * ldc + j : (i64)j * ldc + i] = nan.f;
       return 1;
     }
-    struct shown_job job = {s, m / F, a, (i64)F * K, c, ldc};
+    struct shown_job job = {b, shown[s].scales, shown[s].biases, shown[s].k, shown[s].kind,
+                            shown[s].bits, shown[s].group, m / F, a, (i64)F * K, c, ldc};
     if (!shared_product(&job, n))
       shown_columns(&job, 0, n);
     shown_calls++;

@@ -324,13 +324,23 @@ def test_long_prompts_shed_idle_sessions_and_spare_active_ones(cgroups, servers)
                     return size
             return None
 
-        two, three = first_size(2), first_size(3)
-        assert two is not None, (
-            f"no prompt of up to {MAX_PROBE_TOKENS} tokens on {small} makes Admit shed two "
-            f"entries: {_admit_line(admit(small, a_tokens))}"
-        )
-        size = (two + three) // 2 if three else two
-        note(f"A: sheds 2 entries from {two} tokens, 3 from {three}; using {size}")
+        # The live turn's MLX pool fills and is reclaimed as it decodes, moving usage by up
+        # to its cap (32 MiB) between one Admit and the next: a size found while the pool
+        # was full can preview shedding fewer entries a moment later. Size again then (the
+        # figures moved, not the contract: A's own Admit is what the checks below hold
+        # Generate to).
+        for attempt in range(1, 4):
+            two, three = first_size(2), first_size(3)
+            assert two is not None, (
+                f"no prompt of up to {MAX_PROBE_TOKENS} tokens on {small} makes Admit shed "
+                f"two entries: {_admit_line(admit(small, a_tokens))}"
+            )
+            size = (two + three) // 2 if three else two
+            note(f"A: sheds 2 entries from {two} tokens, 3 from {three}; using {size}")
+            if admit(small, a_tokens[:size]).shed_entries == 2:
+                break
+            note(f"A: the figures moved (attempt {attempt}): "
+                 f"{_admit_line(admit(small, a_tokens[:size]))}")
         a = probe("A", small, a_tokens[:size])
         r2 = probe("R2", small, long_prompt)
 
