@@ -449,9 +449,17 @@ def _start_kernel_helpers() -> None:
         log.warning("decode-kernel helper threads not started: %s", err)
         return
     share(KERNEL_PARALLEL_MIN_BYTES)
+    global _helpers
+    _helpers = helpers
 
 
 _helpers_started = False
+_helpers = 0
+
+
+def kernel_helpers() -> int:
+    """Helper threads the decode kernels share large products with (0: none started)."""
+    return _helpers
 
 
 def kernel_shared() -> tuple[int, int, int]:

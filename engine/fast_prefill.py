@@ -802,8 +802,11 @@ def _choose_shim_decode(layers: list[nn.Module], decode: DecodeMode, what: str,
         return False, f"{what} {now} (the shim could not take their weights)"
     isa = blas.half_kernel_isa()
     some = "" if len(shown) == len(layers) else f" ({len(shown)} of {len(layers)})"
+    helpers = blas.kernel_helpers()
+    shared = (f"; products of {blas.KERNEL_PARALLEL_MIN_BYTES >> 20} MiB of weight or more "
+              f"on {helpers + 1} threads" if helpers else "")
     if decode == "fp32":
-        return True, f"{what}{some} through the {isa} kernel (set)"
+        return True, f"{what}{some} through the {isa} kernel (set){shared}"
     timing = measure_shim_decode(shown)
     if timing is None:
         return False, ""
@@ -813,7 +816,8 @@ def _choose_shim_decode(layers: list[nn.Module], decode: DecodeMode, what: str,
         for m in shown:
             shim_decode.hide(m)
     return chosen, (f"{what}{some} {'through the ' + isa + ' kernel' if chosen else now} "
-                    f"(measured {before:.2f} ms {now}, {kernel:.2f} ms kernel)")
+                    f"(measured {before:.2f} ms {now}, {kernel:.2f} ms kernel)"
+                    f"{shared if chosen else ''}")
 
 
 def measure_dense_decode(layers: list[nn.Module], repeats: int = DECODE_REPEATS
