@@ -82,6 +82,7 @@ GEMV_ROWS = 3
 # between MLX's thread and helpers (engine/cblas_shim.c, "more than one thread").
 KERNEL_THREADS_ENV = "PLIMSOLL_KERNEL_THREADS"
 KERNEL_PARALLEL_MIN_BYTES = 1 << 20
+KERNEL_MAX_THREADS = 8  # engine/cblas_shim.c: MAX_HELPERS + 1
 FLAG = "--no-optimized-blas"
 OFF_VALUES = frozenset({"reference", "off", "0", "false", "no", "none"})
 AUTO_VALUES = frozenset({"", "auto", "1", "on", "true", "yes"})
@@ -425,17 +426,14 @@ def kernel_threads() -> int:
     return max(1, min(threads, KERNEL_MAX_THREADS))
 
 
-KERNEL_MAX_THREADS = 8  # engine/cblas_shim.c: MAX_HELPERS + 1
-
-
 def _start_kernel_helpers() -> None:
     """Starts the shim's helper threads once, the first time a weight is registered: each
     a daemon thread that calls `plimsoll_kernel_helper`, which never returns (ctypes
     releases the GIL for it). Then products from KERNEL_PARALLEL_MIN_BYTES are shared."""
-    global _helpers_started
-    if _helpers_started:
+    global _helpers
+    if _helpers is not None:
         return
-    _helpers_started = True
+    _helpers = 0
     helper = _shim_function("plimsoll_kernel_helper", [ctypes.c_int, ctypes.c_int], None)
     share = _shim_function("plimsoll_kernel_share", [ctypes.c_longlong], None)
     helpers = kernel_threads() - 1
@@ -449,17 +447,15 @@ def _start_kernel_helpers() -> None:
         log.warning("decode-kernel helper threads not started: %s", err)
         return
     share(KERNEL_PARALLEL_MIN_BYTES)
-    global _helpers
     _helpers = helpers
 
 
-_helpers_started = False
-_helpers = 0
+_helpers: int | None = None  # None until the first registration tried to start them
 
 
 def kernel_helpers() -> int:
     """Helper threads the decode kernels share large products with (0: none started)."""
-    return _helpers
+    return _helpers or 0
 
 
 def kernel_shared() -> tuple[int, int, int]:

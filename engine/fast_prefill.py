@@ -185,17 +185,21 @@ def _prefill_rows(x: mx.array, plan: FastPrefill) -> bool:
     """A prefill chunk: (batch, tokens > 1, features) with enough rows."""
     if not plan.enabled or x.ndim < 3 or x.shape[-2] < 2:
         return False
-    return x.size // max(1, x.shape[-1]) >= plan.min_tokens
+    return _row_count(x) >= plan.min_tokens
 
 
 def _kernel_rows(x: mx.array, plan: FastPrefill) -> bool:
     """Rows the shim's kernels take where the plan decodes through them: a decode step's
     (one token per sequence) and any chunk too short for a prefill's conversion (a short
     prompt, a prompt's last few tokens), which MLX's half-precision and quantized
-    products would take ~25-100x as long over."""
+    products take 10-200x as long over."""
     if x.ndim < 2:
         return False
-    return x.shape[-2] == 1 or x.size // max(1, x.shape[-1]) < plan.min_tokens
+    return x.shape[-2] == 1 or _row_count(x) < plan.min_tokens
+
+
+def _row_count(x: mx.array) -> int:
+    return x.size // max(1, x.shape[-1])
 
 
 def _product(x: mx.array, w32: mx.array, bias: mx.array | None) -> mx.array:

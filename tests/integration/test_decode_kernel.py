@@ -189,11 +189,13 @@ async def test_a_short_prompt_is_prefilled_through_the_kernel(variant):
     path = ensure_demo_variant("tiny", variant)
     wrapped = fast_prefill._FastLinear if variant == "bf16" else fast_prefill._FastQuantizedLinear
     loop = asyncio.get_running_loop()
-    fast = ModelEngine("kernel", str(path), loop, EngineSettings(fast_decode="fp32"))
+    fast = ModelEngine("kernel", str(path), loop, EngineSettings())  # the defaults
     stock = ModelEngine("stock", str(path), loop, EngineSettings(fast_decode_kernel=False))
     try:
         await asyncio.gather(asyncio.wrap_future(fast.start()),
                              asyncio.wrap_future(stock.start()))
+        plan = fast.fast_prefill  # the kernel chosen by measurement at load
+        assert (plan.decode_half, plan.decode_quant) == (variant == "bf16", variant == "4bit")
         layers = sum(isinstance(m, wrapped) and not m._decode_only
                      for _, m in fast.info.model.named_modules())
         tokenizer = fast.info.tokenizer
