@@ -23,8 +23,10 @@ def agree_but_at_a_near_tie(path: str | Path, prompt: str | list[int], fast: lis
                             max_gap: float | None = None) -> None:
     """The two token lists agree up to a position where the stock model, decoding the
     prompt and the tokens both produced step by step as the server does (a KV cache), ranks
-    both choices first and second within NEAR_TIE_STEPS steps of `dtype` (or `max_gap`
-    logits: a quantized model's stated tolerance); after that they may differ. A text
+    both choices within NEAR_TIE_STEPS steps of `dtype` (or `max_gap` logits: a quantized
+    model's stated tolerance) of its best logit; after that they may differ. Not only the
+    best two: on a CI host the small 4-bit model parted where the stock model's best five
+    were within 0.04 (1.5, 1.469, 1.469, 1.461, 1.461) and one path took the fifth. A text
     prompt is encoded with the model's tokenizer."""
     at = next((i for i, (a, b) in enumerate(zip(fast, stock, strict=True)) if a != b), None)
     if at is None:
@@ -40,9 +42,9 @@ def agree_but_at_a_near_tie(path: str | Path, prompt: str | list[int], fast: lis
     for token in stock[:at]:
         logits = model(mx.array([[token]]), cache=cache)[0, -1]
     logits = logits.astype(mx.float32)
-    first, second = (int(t) for t in mx.argsort(-logits)[:2].tolist())
-    gap = logits[first].item() - logits[second].item()
-    top = abs(logits[first].item()) or 1.0
-    step = 2.0 ** (math.floor(math.log2(top)) - (SIGNIFICANT_BITS[dtype] - 1))
-    assert {fast[at], stock[at]} == {first, second}, (at, fast, stock, first, second)
-    assert gap <= (NEAR_TIE_STEPS * step if max_gap is None else max_gap), (at, gap, step)
+    best = int(mx.argmax(logits).item())
+    top = logits[best].item()
+    step = 2.0 ** (math.floor(math.log2(abs(top) or 1.0)) - (SIGNIFICANT_BITS[dtype] - 1))
+    allowed = NEAR_TIE_STEPS * step if max_gap is None else max_gap
+    gaps = {t: top - logits[t].item() for t in (fast[at], stock[at])}
+    assert max(gaps.values()) <= allowed, (at, best, top, gaps, allowed, fast, stock)
