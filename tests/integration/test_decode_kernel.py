@@ -460,8 +460,14 @@ def test_unregistered_float32_products_are_left_to_the_blas():
     got = x @ view.T
     mx.eval(got)
     assert blas.half_calls() == before
-    ref = np.asarray(x).astype(np.float64) @ as_floats.T
-    assert np.allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-30, equal_nan=True)
+    x64 = np.asarray(x).astype(np.float64)
+    ref = x64 @ as_floats.T
+    # Bounded by the sum of the terms' sizes, not the result's: the bits read as float32
+    # are of every size, and a sum that cancels to near zero is off by far more than 1e-4
+    # of itself in any float32 order (seen: one output in a full run).
+    bound = 1e-5 * (np.abs(x64) @ np.abs(as_floats).T) + 1e-30
+    got64 = np.asarray(got).astype(np.float64)
+    assert ((np.abs(got64 - ref) <= bound) | (np.isnan(got64) & np.isnan(ref))).all()
 
 
 def _ulps(got: mx.array, want: mx.array) -> float:

@@ -481,9 +481,12 @@ def test_long_prompts_shed_idle_sessions_and_spare_active_ones(cgroups, servers)
         f"A: admission shed active sessions: {sorted(set(shed) - set(IDLE_IDS))} (shed {shed})",
     )
     idle_shed = [sid for sid in shed if sid in IDLE_IDS]
+    # Least recently used first among those A found: at a hard level the enforcer may have
+    # shed the oldest already (seen: s3-idle during R1, s4-idle before A, both LRU first).
+    idle_found = [sid for sid in IDLE_IDS if sid in a.bank_before]
     check(
-        idle_shed == list(IDLE_IDS[: len(idle_shed)]),
-        f"A: idle sessions not shed least recently used first: {idle_shed}",
+        idle_shed == idle_found[: len(idle_shed)],
+        f"A: idle sessions not shed least recently used first: {idle_shed} of {idle_found}",
     )
     # Generate re-measures after each step and stops once the prompt fits, so it may shed
     # less than Admit previewed (the pool reclaim also returns heap pages, which the
