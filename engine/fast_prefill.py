@@ -39,7 +39,11 @@ four. Such a step's attention runs its two products in float32 through the BLAS 
 (`shim_decode.decode_attention`; MLX's half-precision product costs ~1 ms a layer for
 them), rounded where MLX's rounds. The kernels also take every chunk with fewer rows
 than a prefill conversion (`_kernel_rows`: a short prompt, a prompt's last tokens): MLX's
-products of 2-15 rows take 10-200x as long. The float32 sums part from MLX's products
+products of 2-15 rows take 10-200x as long; and longer chunks while the kernels measure
+faster than the conversion at load (`choose_kernel_rows`: MLX's CPU dequantize is slow,
+so a 4-bit model's chunks of up to 24-64 rows), evaluated a layer at a time as a
+conversion is and never holding more than the largest conversion admission counts. The
+float32 sums part from MLX's products
 only at near-tied greedy choices (docs/benchmarks.md). `decode_kernel=False`
 (`--no-decode-kernel`) keeps MLX's products and attention.
 
@@ -144,11 +148,15 @@ class FastPrefill:
     # (engine/shim_decode.py), those shown to it.
     decode_half: bool = False
     decode_quant: bool = False
+    # Chunks of fewer rows run through those kernels too, not converted: min_tokens unless
+    # the kernel measured faster at more rows at load (`measure_kernel_rows`).
+    kernel_below: int = DEFAULT_MIN_TOKENS
     layers: int = 0  # wrapped Linear / QuantizedLinear modules
     dtype: str = ""  # "bfloat16", "float16", "4-bit", ... (what was found)
     transient: ConversionTransient = field(default_factory=ConversionTransient)
     decode_ms: tuple[float, float] | None = None  # (stock, fp32) on the largest layer
     converted: int = 0  # layer products run in float32 (the engine thread counts them)
+    through_kernel: int = 0  # prefill chunks' layer products run through the kernels
     in_numpy: int = 0  # attention and SwiGLU passes run in NumPy (likewise)
     last_block: weakref.ref | None = field(default=None, repr=False)  # `_LastBlock`
     # The wrapped layers, weakly: a plan kept after its model went never keeps it alive.
@@ -195,7 +203,19 @@ def _kernel_rows(x: mx.array, plan: FastPrefill) -> bool:
     products take 10-200x as long over."""
     if x.ndim < 2:
         return False
-    return x.shape[-2] == 1 or _row_count(x) < plan.min_tokens
+    return x.shape[-2] == 1 or _row_count(x) < max(plan.min_tokens, plan.kernel_below)
+
+
+def _kernel_product(m: nn.Module, view: mx.array, x: mx.array, plan: FastPrefill
+                    ) -> mx.array:
+    """A layer's rows through the shim's kernel: lazy for a decode step or a short prompt;
+    a prefill chunk's (min_tokens rows or more) evaluated now, as a conversion is, so what
+    it holds is one layer's (`shim_decode.product_bytes`), never several layers' ahead."""
+    y = shim_decode.product(m, view, x)
+    if not m._decode_only and _row_count(x) >= plan.min_tokens:
+        plan.through_kernel += 1
+        mx.eval(y)
+    return y
 
 
 def _row_count(x: mx.array) -> int:
@@ -229,15 +249,15 @@ class _FastLinear(nn.Linear):
         plan = self._fast_prefill
         w = self["weight"]
         if x.dtype == w.dtype:
+            kernel = _kernel_rows(x, plan)
+            view = shim_decode.shown_view(self) if kernel and plan.decode_half else None
+            if view is not None:
+                return _kernel_product(self, view, x, plan)
             if not self._decode_only and _prefill_rows(x, plan):
                 plan.converted += 1
                 return _product(x, w.astype(mx.float32), self.get("bias"))
-            if _kernel_rows(x, plan):
-                view = shim_decode.shown_view(self) if plan.decode_half else None
-                if view is not None:
-                    return shim_decode.product(self, view, x)
-                if tuple(w.shape) in plan.decode_shapes:
-                    return _dense_decode_product(x, w, self.get("bias"))
+            if kernel and tuple(w.shape) in plan.decode_shapes:
+                return _dense_decode_product(x, w, self.get("bias"))
         return nn.Linear.__call__(self, x)
 
 
@@ -267,16 +287,16 @@ class _FastQuantizedLinear(nn.QuantizedLinear):
         scales = self["scales"]
         if x.dtype != scales.dtype or self.mode != "affine":
             return nn.QuantizedLinear.__call__(self, x)
+        if plan.decode_quant and _kernel_rows(x, plan):
+            view = shim_decode.shown_view(self)
+            if view is not None:
+                return _kernel_product(self, view, x, plan)
         if not self._decode_only and _prefill_rows(x, plan):
             plan.converted += 1
             w32 = mx.dequantize(self["weight"], scales.astype(mx.float32),
                                 self["biases"].astype(mx.float32), self.group_size,
                                 self.bits)
             return _product(x, w32, self.get("bias"))
-        if plan.decode_quant and _kernel_rows(x, plan):
-            view = shim_decode.shown_view(self)
-            if view is not None:
-                return shim_decode.product(self, view, x)
         if _decode_ok(self, x, plan):
             return _decode_product(self, x)
         return nn.QuantizedLinear.__call__(self, x)
@@ -824,6 +844,64 @@ def _choose_shim_decode(layers: list[nn.Module], decode: DecodeMode, what: str,
                     f"{shared if chosen else ''}")
 
 
+# Chunk sizes at which the kernels are measured against a conversion at load, in order;
+# none larger (what a kernel product holds grows with its rows, a conversion's does not).
+KERNEL_ROW_STEPS = (16, 24, 32, 48, 64)
+KERNEL_ROW_REPEATS = 5
+
+
+def measure_kernel_rows(plan: FastPrefill, m: nn.Module, rows: int,
+                        repeats: int = DECODE_REPEATS) -> tuple[float, float]:
+    """(kernel ms, conversion ms) of one prefill chunk of `rows` rows through layer `m`,
+    each through the layer's own call as a prefill runs it."""
+    x = mx.ones((1, rows, _shape(m)[1]), dtype=m["scales"].dtype if "scales" in m
+                else m["weight"].dtype)
+    saved = plan.kernel_below, plan.converted, plan.through_kernel
+    try:
+        plan.kernel_below = rows + 1
+        kernel = _time_ms(lambda: m(x), repeats)
+        plan.kernel_below = plan.min_tokens
+        converted = _time_ms(lambda: m(x), repeats)
+    finally:
+        plan.kernel_below, plan.converted, plan.through_kernel = saved
+        mx.clear_cache()
+    return kernel, converted
+
+
+def choose_kernel_rows(plan: FastPrefill, layers: list[nn.Module]) -> str:
+    """Raises plan.kernel_below while the kernels measure faster than a conversion on the
+    largest layer they take (MLX's CPU dequantize is slow: on the medium 4-bit model a
+    64-row chunk's largest product took 6.7 ms through the kernel, 9.3 converted), by
+    DECODE_MARGIN, and no layer's product holds more than the largest conversion
+    admission counts (`ConversionTransient.weight_bytes`); the log's words ("" when
+    it stays)."""
+    kinds = (() if not plan.decode_half else (nn.Linear,)) + \
+        (() if not plan.decode_quant else (nn.QuantizedLinear,))
+    shown = [(m, v) for m in layers if not m._decode_only
+             and _STOCK_CLASSES.get(type(m), type(m)) in kinds
+             and (v := shim_decode.shown_view(m)) is not None]
+    if not shown:
+        return ""
+    m, _ = max(shown, key=lambda p: _shape(p[0])[0] * _shape(p[0])[1])
+    measured = []
+    for rows in KERNEL_ROW_STEPS:
+        if rows < plan.min_tokens:
+            continue
+        # Within what admission counts for a conversion (the largest layer's, one at a time).
+        if any(shim_decode.product_bytes(q, v, rows) > plan.transient.weight_bytes
+               for q, v in shown):
+            break
+        kernel, converted = measure_kernel_rows(plan, m, rows, KERNEL_ROW_REPEATS)
+        measured.append(f"{rows}: {kernel:.2f}/{converted:.2f}")
+        if kernel >= DECODE_MARGIN * converted:  # a clear win only: the timings are noisy
+            break
+        plan.kernel_below = rows + 1
+    if plan.kernel_below <= plan.min_tokens:
+        return ""
+    return (f"prefill chunks of up to {plan.kernel_below - 1} rows through the kernel "
+            f"(measured ms kernel/converted at rows {', '.join(measured)})")
+
+
 def measure_dense_decode(layers: list[nn.Module], repeats: int = DECODE_REPEATS
                          ) -> dict[tuple[int, int], tuple[float, float]]:
     """(stock ms, float32 ms) of one decode row per distinct dense half-precision shape
@@ -914,7 +992,7 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
     blocks = list(getattr(model, "layers", ()))
     plan = FastPrefill(
         True, f"{blas.state().name} BLAS on a Linux CPU", min_tokens=max(2, min_tokens),
-        layers=len(layers), dtype=_dtype_name(layers),
+        kernel_below=max(2, min_tokens), layers=len(layers), dtype=_dtype_name(layers),
         transient=transient_for(layers, kv_bytes_per_token, len(blocks), kv_dtype_bytes))
     quantized = any(_STOCK_CLASSES.get(type(m), type(m)) is nn.QuantizedLinear
                     for m in layers)
@@ -964,6 +1042,10 @@ def install(model: nn.Module, *, enabled: bool = True, min_tokens: int = DEFAULT
             "float32" if plan.decode_fp32 else "stock")
         if quant_reason:
             plan.decode_reason = f"{plan.decode_reason}; {quant_reason}"
+    if plan.decode_half or plan.decode_quant:
+        rows_reason = choose_kernel_rows(plan, layers)
+        if rows_reason:
+            plan.decode_reason = f"{plan.decode_reason}; {rows_reason}"
     dense = (_choose_dense_decode(plan, layers + heads, decode)
              if decode_dense and not half else "")
     if dense:
@@ -1015,6 +1097,7 @@ def uninstall(plan: FastPrefill) -> None:
     plan.enabled = False
     plan.decode_fp32 = False
     plan.decode_half = plan.decode_quant = False
+    plan.kernel_below = plan.min_tokens
     plan.decode_shapes = frozenset()
     if getattr(_thread, "plan", None) is plan:
         _thread.plan = None

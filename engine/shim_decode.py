@@ -156,6 +156,16 @@ def product(m: nn.Module, view: mx.array, x: mx.array) -> mx.array:
     return y.reshape(*x.shape[:-1], n).astype(x.dtype)
 
 
+def product_bytes(m: nn.Module, view: mx.array, rows: int) -> int:
+    """What `product` holds at most for `rows` rows, evaluated at once: x in float32, its
+    rows as the kernel reads them, MLX's output (`spread` times the real one, every part)
+    and y."""
+    n, width, k = int(view.shape[0]), int(view.shape[1]), in_features(m)
+    used = k + k // m.group_size if _quantized(m) else k
+    spread = math.ceil(used / width)
+    return rows * 4 * (k + spread * width + spread * n + n)
+
+
 def _rows(m: nn.Module, x32: mx.array, width: int) -> mx.array:
     """x's rows as the kernel reads them, each a whole number of `width`s long: as they
     are for half precision (2 x k/2); for a quantized weight its k values, its k/group

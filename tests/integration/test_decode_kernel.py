@@ -178,6 +178,22 @@ async def test_engines_decode_through_it_and_part_from_stock_only_at_near_ties(v
                              asyncio.wrap_future(stock.stop()))
 
 
+@contextlib.asynccontextmanager
+async def _kernel_and_stock(path):
+    """Two engines on real threads: the kernel taken without measuring
+    (`fast_decode="fp32"`) and MLX's own products (`fast_decode_kernel=False`)."""
+    loop = asyncio.get_running_loop()
+    fast = ModelEngine("kernel", str(path), loop, EngineSettings(fast_decode="fp32"))
+    stock = ModelEngine("stock", str(path), loop, EngineSettings(fast_decode_kernel=False))
+    try:
+        await asyncio.gather(asyncio.wrap_future(fast.start()),
+                             asyncio.wrap_future(stock.start()))
+        yield fast, stock
+    finally:
+        await asyncio.gather(asyncio.wrap_future(fast.stop()),
+                             asyncio.wrap_future(stock.stop()))
+
+
 @pytest.mark.parametrize("variant", ["bf16", "4bit"])
 async def test_a_short_prompt_is_prefilled_through_the_kernel(variant):
     """A prompt shorter than a prefill chunk the fast prefill converts
@@ -190,12 +206,7 @@ async def test_a_short_prompt_is_prefilled_through_the_kernel(variant):
     for tiny bf16); the choice by measurement is asserted on the served small 4-bit model."""
     path = ensure_demo_variant("tiny", variant)
     wrapped = fast_prefill._FastLinear if variant == "bf16" else fast_prefill._FastQuantizedLinear
-    loop = asyncio.get_running_loop()
-    fast = ModelEngine("kernel", str(path), loop, EngineSettings(fast_decode="fp32"))
-    stock = ModelEngine("stock", str(path), loop, EngineSettings(fast_decode_kernel=False))
-    try:
-        await asyncio.gather(asyncio.wrap_future(fast.start()),
-                             asyncio.wrap_future(stock.start()))
+    async with _kernel_and_stock(path) as (fast, stock):
         plan = fast.fast_prefill
         assert (plan.decode_half, plan.decode_quant) == (variant == "bf16", variant == "4bit")
         layers = sum(isinstance(m, wrapped) and not m._decode_only
@@ -219,9 +230,96 @@ async def test_a_short_prompt_is_prefilled_through_the_kernel(variant):
         for p, a, b in zip(ids, got, want, strict=True):
             agree_but_at_a_near_tie(path, p, a, b,
                                     max_gap=None if variant == "bf16" else 2 * LOGIT_TOL_4BIT)
+
+
+async def test_prefill_chunks_below_the_measured_rows_run_through_the_kernel():
+    """Where the kernel measured faster than a conversion at more rows than min_tokens
+    (plan.kernel_below, set here as a measurement would), a prefill chunk of fewer rows
+    runs every product through the kernel and converts none; at the default it converts.
+    Greedy tokens stay within the 4-bit tolerance of MLX's own product either way."""
+    path = ensure_demo_variant("tiny", "4bit")
+    async with _kernel_and_stock(path) as (fast, stock):
+        plan = fast.fast_prefill
+        assert plan.decode_quant and plan.kernel_below >= plan.min_tokens == 16
+        layers = sum(isinstance(m, fast_prefill._FastQuantizedLinear) and not m._decode_only
+                     for _, m in fast.info.model.named_modules())
+        blocks = len(fast.info.model.layers)
+        needed = layers - layers // blocks + 2  # as in the short-prompt test above
+        prompt = list(range(7, 32))  # a 24-row chunk, then the last token
+        counts = {}
+        for below in (plan.min_tokens, 33):
+            plan.kernel_below = below
+            before = plan.through_kernel, plan.converted
+            got = await greedy(fast, f"rows{below}", prompt)
+            counts[below] = (plan.through_kernel - before[0], plan.converted - before[1])
+            want = await greedy(stock, f"stock{below}", prompt)
+            agree_but_at_a_near_tie(path, prompt, got, want, max_gap=2 * LOGIT_TOL_4BIT)
+        assert counts[plan.min_tokens][0] == 0 and counts[plan.min_tokens][1] >= needed, counts
+        assert counts[33][1] == 0 and counts[33][0] >= needed, counts
+
+
+@pytest.mark.parametrize("timings, below", [
+    ({16: (1.0, 2.0), 24: (1.5, 2.0), 32: (2.0, 2.0)}, 25),  # the first step it loses
+    ({16: (1.0, 1.1)}, 16),  # a win within the margin is none
+    ({r: (1.0, 9.0) for r in fast_prefill.KERNEL_ROW_STEPS}, 65),  # never past the last
+])
+def test_the_kernel_rows_are_chosen_from_the_timings(monkeypatch, timings, below):
+    """choose_kernel_rows on scripted timings (the small 4-bit model: every step's products
+    fit its largest conversion): kernel_below rises past each step the kernel wins by
+    DECODE_MARGIN, stops at the first it does not, and says so in the log."""
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(ensure_demo_variant("small", "4bit")))
+    plan = fast_prefill.install(model, decode="fp32")
+    try:
+        layers = [m for _, m in model.named_modules()
+                  if isinstance(m, fast_prefill._FastQuantizedLinear)]
+        plan.kernel_below = plan.min_tokens
+        asked = []
+
+        def scripted(_plan, _m, rows, _repeats):
+            asked.append(rows)
+            return timings[rows]
+
+        monkeypatch.setattr(fast_prefill, "measure_kernel_rows", scripted)
+        words = fast_prefill.choose_kernel_rows(plan, layers)
+        assert plan.kernel_below == below and asked == sorted(timings)
+        assert (f"up to {below - 1} rows" in words) if below > 16 else words == ""
     finally:
-        await asyncio.gather(asyncio.wrap_future(fast.stop()),
-                             asyncio.wrap_future(stock.stop()))
+        fast_prefill.uninstall(plan)
+    assert plan.kernel_below == plan.min_tokens
+
+
+def test_the_kernel_rows_measured_at_load_hold_no_more_than_a_conversion():
+    """The defaults on the small 4-bit model: whatever the load measured, kernel_below is
+    min_tokens or one past a measured step, and a chunk just below it holds no more
+    through the kernel, in any layer it takes, than the largest conversion admission
+    counts; the measurement leaves the plan's counters as they were."""
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(ensure_demo_variant("small", "4bit")))
+    plan = fast_prefill.install(model)
+    try:
+        assert plan.kernel_below == plan.min_tokens or (
+            plan.kernel_below - 1 in fast_prefill.KERNEL_ROW_STEPS
+            and f"up to {plan.kernel_below - 1} rows" in plan.decode_reason), plan.decode_reason
+        rows = max(plan.kernel_below - 1, plan.min_tokens)
+        for _, m in model.named_modules():
+            view = shim_decode.shown_view(m)
+            # (not the LM head: a prefill chunk's logits are never evaluated)
+            if (isinstance(m, fast_prefill._FastQuantizedLinear) and view is not None
+                    and not m._decode_only):
+                assert (shim_decode.product_bytes(m, view, rows)
+                        <= plan.transient.weight_bytes)
+        assert plan.converted == plan.through_kernel == 0
+        biggest = max((m for _, m in model.named_modules()
+                       if isinstance(m, fast_prefill._FastQuantizedLinear)
+                       and not m._decode_only), key=lambda m: m["weight"].size)
+        kernel_ms, converted_ms = fast_prefill.measure_kernel_rows(plan, biggest, 16, 1)
+        assert kernel_ms > 0 and converted_ms > 0
+        assert plan.converted == plan.through_kernel == 0
+    finally:
+        fast_prefill.uninstall(plan)
 
 
 def test_the_choice_is_measured_at_load_and_can_be_turned_off(tiny_bf16):
