@@ -1,6 +1,7 @@
 """Request metrics (instruments from `telemetry.instruments`): admissions by verdict,
-requests running and waiting, time to first token, tokens generated; and the service's
-memory gauges the governor does not register itself (marks, reservations, model bytes).
+requests running and waiting, time to first token, tokens generated; the service's
+memory gauges the governor does not register itself (marks, reservations, model bytes);
+and how the loaded models' prefill chunks ran (engine/fast_prefill.py).
 
 Every provider here reads a figure already held (the governor's last reading, the
 pool's measured sizes): a scrape runs them on the metrics listener's thread."""
@@ -51,12 +52,26 @@ def loaded_model_bytes(pool: ModelPool) -> dict[str, int]:
     return {e.model_id: e.measured_bytes for e in pool.entries() if e.state in _HOLDING}
 
 
+def prefill_products(pool: ModelPool) -> dict[tuple[str, str], int]:
+    """Layer products of prefill chunks by (model id, path) for the models holding memory:
+    the engine thread's counts in each model's fast-prefill plan (read, not locked: a
+    scrape sees them at most a chunk behind)."""
+    out: dict[tuple[str, str], int] = {}
+    for e in pool.entries():
+        plan = e.engine.fast_prefill if e.engine is not None else None
+        if e.state in _HOLDING and plan is not None and plan.layers:
+            out[(e.model_id, "converted")] = plan.converted
+            out[(e.model_id, "kernel")] = plan.through_kernel
+    return out
+
+
 def register_memory_gauges(governor: Governor, reservations: ReservationBook,
                            pool: ModelPool, inst: Instruments | None = None) -> None:
-    """Providers for the soft and hard marks, reserved bytes and per-model bytes
-    (each held weakly by its gauge, like every provider)."""
+    """Providers for the soft and hard marks, reserved bytes, per-model bytes and
+    prefill products (each held weakly by its instrument, like every provider)."""
     inst = inst or instruments()
     inst.soft_mark.register(governor, _soft_mark)
     inst.hard_mark.register(governor, _hard_mark)
     inst.reserved.register(reservations, lambda r: r.reserved_bytes())
     inst.model_bytes.register(pool, loaded_model_bytes)
+    inst.prefill_products.register(pool, prefill_products)

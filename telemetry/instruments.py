@@ -23,6 +23,7 @@ from opentelemetry import metrics
 from telemetry import meter, names
 
 Reading = Callable[[], "int | float | None"]
+Key = str | tuple[str, ...]
 
 # Time-to-first-token buckets in seconds: the SDK's defaults are sized for milliseconds.
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -62,22 +63,23 @@ class _Gauge:
             yield metrics.Observation(value)
 
 
-class _LabelledGauge:
-    """An observable gauge with one series per key (a label), summed over providers."""
+class _Labelled:
+    """An observable gauge or counter with one series per key, summed over providers.
+    A key is one label's value, or a tuple of values for several labels."""
 
-    def __init__(self, m: metrics.Meter, name: str, label: str, unit: str,
+    def __init__(self, create: Callable, name: str, labels: tuple[str, ...], unit: str,
                  description: str) -> None:
-        self._label = label
+        self._labels = labels
         self._providers: weakref.WeakKeyDictionary[
-            object, Callable[[object], Mapping[str, int | float]]] = weakref.WeakKeyDictionary()
-        m.create_observable_gauge(name, [self._observe], unit=unit, description=description)
+            object, Callable[[object], Mapping[Key, int | float]]] = weakref.WeakKeyDictionary()
+        create(name, [self._observe], unit=unit, description=description)
 
     def register(self, owner: object,
-                 read: Callable[[object], Mapping[str, int | float]]) -> None:
+                 read: Callable[[object], Mapping[Key, int | float]]) -> None:
         self._providers[owner] = read
 
-    def read(self) -> dict[str, int | float]:
-        total: dict[str, int | float] = {}
+    def read(self) -> dict[Key, int | float]:
+        total: dict[Key, int | float] = {}
         for owner, read in list(self._providers.items()):
             for key, value in read(owner).items():
                 total[key] = total.get(key, 0) + value
@@ -85,7 +87,8 @@ class _LabelledGauge:
 
     def _observe(self, _options: metrics.CallbackOptions) -> Iterable[metrics.Observation]:
         for key, value in self.read().items():
-            yield metrics.Observation(value, {self._label: key})
+            values = key if isinstance(key, tuple) else (key,)
+            yield metrics.Observation(value, dict(zip(self._labels, values, strict=True)))
 
 
 class Instruments:
@@ -150,9 +153,15 @@ class Instruments:
         self.session_hits = self._counter(names.METRIC_SESSION_HITS,
                                           "Session lookups by the tier that answered")
         description = "Measured bytes of each loaded model"
-        self.model_bytes = _LabelledGauge(m, names.METRIC_MODEL_BYTES, names.LABEL_MODEL_ID,
-                                          "By", description)
+        self.model_bytes = _Labelled(m.create_observable_gauge, names.METRIC_MODEL_BYTES,
+                                     (names.LABEL_MODEL_ID,), "By", description)
         self._declare(names.METRIC_MODEL_BYTES, "gauge", "By", description)
+        description = ("Layer products of prefill chunks on the Linux CPU fast path, by "
+                       "path: a float32 conversion of the layer, or the decode kernels")
+        self.prefill_products = _Labelled(
+            m.create_observable_counter, names.METRIC_PREFILL_PRODUCTS,
+            (names.LABEL_MODEL_ID, names.LABEL_PATH), "1", description)
+        self._declare(names.METRIC_PREFILL_PRODUCTS, "counter", "1", description)
 
     def _declare(self, name: str, kind: str, unit: str, description: str) -> None:
         self.catalogue.append(Declared(name, kind, unit, description))

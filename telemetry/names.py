@@ -102,9 +102,12 @@ METRIC_COLD_RESTORES = "plimsoll_session_disk_restores_total"
 METRIC_COLD_DROPS = "plimsoll_session_disk_drops_total"
 METRIC_COLD_COLLECTED = "plimsoll_session_disk_collected_total"
 METRIC_SESSION_HITS = "plimsoll_session_hits_total"  # by tier: ram | disk | miss
+# by model_id and path: converted | kernel (engine/fast_prefill.py)
+METRIC_PREFILL_PRODUCTS = "plimsoll_prefill_layer_products_total"
 
 # -- metric labels that are not span attributes --------------------------------
 LABEL_MODEL_ID = "model_id"  # plimsoll_model_loaded_bytes, one series per loaded model
+LABEL_PATH = "path"  # plimsoll_prefill_layer_products_total: converted | kernel
 
 # -- the gauges gateways route on (vLLM's names; Prometheus only, see docs/metrics.md) --
 # OpenTelemetry instrument names cannot hold a colon, so telemetry.prometheus exports

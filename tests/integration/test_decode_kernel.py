@@ -10,9 +10,11 @@ import asyncio
 import contextlib
 import ctypes
 import platform
+import re
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -20,15 +22,17 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine import blas, fast_prefill, shim_decode
 from engine.demo_models import ensure_demo_variant
 from engine.model_engine import EngineSettings, ModelEngine
 from plimsoll.v1 import control_pb2, inference_pb2
 from service.cli import build_parser
+from telemetry import names
 from tests.integration.test_fast_prefill import LOGIT_TOL_4BIT, STEP, greedy, prompts
 from tests.support.near_tie import agree_but_at_a_near_tie
-from tools.harness.server import start_server, wait_all_serving
+from tools.harness.server import free_port, start_server, wait_all_serving
 
 pytestmark = pytest.mark.skipif(
     fast_prefill.environment_reason() is not None or blas.half_gemv() is None,
@@ -750,35 +754,76 @@ def _generate(inference, model_id: str, ids: list[int], max_tokens: int) -> list
             if m.WhichOneof("event") == "chunk" for t in m.chunk.token_ids]
 
 
+def _prefill_products(port: int) -> dict[str, float]:
+    """plimsoll_prefill_layer_products_total by path, from a server's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {"converted": 0.0, "kernel": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == names.METRIC_PREFILL_PRODUCTS:
+                out[sample.labels[names.LABEL_PATH]] += sample.value
+    return out
+
+
+def _kernel_rows_from_log(log: str, min_tokens: int) -> int:
+    """The most rows of a prefill chunk the load chose to run through the kernel (its log
+    line; min_tokens - 1 where it kept the conversion from min_tokens)."""
+    found = re.search(r"prefill chunks of up to (\d+) rows through the kernel", log)
+    return int(found.group(1)) if found else min_tokens - 1
+
+
 def test_a_served_4bit_model_decodes_through_the_kernel_for_several_clients(tmp_path):
     """`plimsoll serve` on the small 4-bit model with the defaults (the kernel measures
     faster at load: ~0.4 against ~3 ms on its largest layer) and with --no-decode-kernel,
-    side by side: four clients at once on each over gRPC (its large products on every
-    usable CPU, as its log says), greedy tokens agreeing but where
-    the stock path's best two logits are within twice the stated 4-bit tolerance; then
-    SIGTERM with four streams in flight ends every stream (a two-second drain) and the
-    server exits cleanly."""
+    side by side. Four clients at once on each over gRPC, prompts of 18 to 61 tokens (its
+    large products on every usable CPU, as its log says), then one prompt whose chunk has
+    as many rows as the load chose to run through the kernel and one a row longer: the
+    first's layer products counted on /metrics as `kernel`, the second's as `converted`.
+    Greedy tokens agree but where the stock path's best two logits are within twice the
+    stated 4-bit tolerance. Then SIGTERM with four streams in flight ends every stream (a
+    two-second drain) and the server exits cleanly."""
     path = ensure_demo_variant("small", "4bit")
-    prompts = [list(range(5 + 3 * i, 60 + 5 * i)) for i in range(4)]
+    prompts = [list(range(5 + 3 * i, 23 + 7 * i + (28 if i == 3 else 0))) for i in range(4)]
+    assert [len(p) for p in prompts] == [18, 22, 26, 58]
+    port = free_port()
     # A short drain, so that the streams still decoding at SIGTERM are ended by it.
     servers = [start_server(tmp_path, "--model", str(path), "--drain-seconds", "2", *args,
-                            wait=False) for args in ((), ("--no-decode-kernel",))]
+                            wait=False)
+               for args in (("--metrics-port", str(port)), ("--no-decode-kernel",))]
     try:
         wait_all_serving(servers)
-        answers = []
-        for srv in servers:
-            with srv.stubs() as (control, inference):
-                model = control.ListModels(control_pb2.ListModelsRequest(),
-                                           timeout=30).models[0].model_id
-                with ThreadPoolExecutor(len(prompts)) as pool:
-                    answers.append(list(pool.map(
-                        lambda p, inf=inference, m=model: _generate(inf, m, p, 24), prompts)))
         fast_log, stock_log = servers[0].log(), servers[1].log()
         assert "quantized layers through the" in fast_log, fast_log[-2000:]
         assert "quantized layers through the" not in stock_log
         if blas.kernel_threads() > 1:  # the LM head (2 MiB) is shared with a helper
             assert f"or more on {blas.kernel_threads()} threads" in fast_log, fast_log[-2000:]
-        for p, a, b in zip(prompts, *answers, strict=True):
+        min_tokens = EngineSettings().fast_prefill_min_tokens
+        rows = _kernel_rows_from_log(fast_log, min_tokens)
+        # A prompt of n tokens is prefilled as one chunk of n - 1 rows, then its last token.
+        probes = [list(range(100, 100 + rows + 1)), list(range(300, 300 + rows + 2))]
+        answers, counts = [], []
+        for srv in servers:
+            with srv.stubs() as (control, inference):
+                model = control.ListModels(control_pb2.ListModelsRequest(),
+                                           timeout=30).models[0].model_id
+                with ThreadPoolExecutor(len(prompts)) as pool:
+                    got = list(pool.map(
+                        lambda p, inf=inference, m=model: _generate(inf, m, p, 24), prompts))
+                for probe in probes:
+                    before = _prefill_products(port) if srv is servers[0] else None
+                    got.append(_generate(inference, model, probe, 24))
+                    if before is not None:
+                        after = _prefill_products(port)
+                        counts.append({k: after[k] - before[k] for k in after})
+                answers.append(got)
+        through_kernel, one_row_more = counts
+        if rows >= min_tokens:
+            assert through_kernel["kernel"] > 0 and through_kernel["converted"] == 0, counts
+        else:  # the load kept the conversion: such a chunk is a short prompt's, lazy
+            assert through_kernel == {"converted": 0, "kernel": 0}, counts
+        assert one_row_more["converted"] > 0 and one_row_more["kernel"] == 0, counts
+        for p, a, b in zip(prompts + probes, *answers, strict=True):
             assert len(a) == len(b) == 24
             # Each path is within the stated 4-bit tolerance of the stock one's logits
             # (MLX's bfloat16 quantized product): they may part where its best two are
