@@ -16,9 +16,10 @@ converts ONE LAYER AT A TIME into float32:
   through BLAS, its softmax in NumPy (MLX's CPU exp is scalar), rounding the scores and
   weights to the model's dtype where MLX's own half-precision attention rounds them.
 
-What stays on MLX's kernels: RMSNorm, RoPE and, in half precision, the MLP's activation
-(elementwise: after the change they take a fifth to a third of a prefill, see
-docs/benchmarks.md).
+- the MLP's SwiGLU of a prefill chunk runs in NumPy: MLX's half-precision result bit for
+  bit, from a table of silu over all 65,536 values that the stock kernel fills once.
+
+What stays on MLX's kernels: RMSNorm and RoPE (elementwise, a small part of a prefill).
 
 A float32 model's products already run through BLAS, so none of its layers is wrapped;
 its prefill chunks of at least `FLOAT32_MIN_TOKENS` rows take the same NumPy attention,
@@ -551,24 +552,30 @@ def _sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
     return out.astype(queries.dtype)
 
 
-# -- the MLP's activation (float32 models) ---------------------------------------------
+# -- the MLP's activation -----------------------------------------------------------------
 #
-# MLX's CPU sigmoid runs at ~60 M elements/s, so in a float32 prefill chunk SwiGLU over
-# (chunk x intermediate) takes as long as a product. NumPy's exp is ~20x faster. Half
-# precision keeps MLX's kernel: its bfloat16 sigmoid rounds in its own way (a NumPy one
-# differs in ~12 % of elements by a unit in the last place), and those models' output
-# must stay the stock path's.
+# MLX's CPU sigmoid runs at ~60 M elements/s, so in a prefill chunk SwiGLU over (chunk x
+# intermediate) takes as long as a product. A float32 chunk runs it in NumPy, whose exp is
+# ~20x faster. A half-precision chunk must keep MLX's roundings (its bfloat16 exp is a
+# polynomial, rounded to bfloat16 before the division; a NumPy sigmoid differs in ~12 %
+# of elements by one step), but silu(gate) depends on the gate's 16 bits alone: the stock
+# kernel itself fills a table of all 65,536 values once, and a chunk's SwiGLU is a lookup
+# and one product rounded as MLX rounds it (bit for bit the stock result; 6x faster on
+# (127, 1536) bfloat16).
 
 _stock_swiglu: Callable[[mx.array, mx.array], mx.array] = _mlx_activations.swiglu
 
 
 def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    """mlx-lm's `silu(gate) * x`; a float32 prefill chunk on a bound thread runs it in
-    NumPy, a block of rows at a time (the same float32 maths; NumPy's exp against
-    MLX's: max relative difference ~1e-6)."""
-    if (gate.dtype != mx.float32 or x.dtype != mx.float32 or gate.shape != x.shape
+    """mlx-lm's `silu(gate) * x`; a prefill chunk on a bound thread runs it in NumPy, a
+    block of rows at a time: float32 as the same maths (NumPy's exp against MLX's: max
+    relative difference ~1e-6), half precision through `_half_silu` (MLX's bits)."""
+    if (gate.dtype != x.dtype or gate.shape != x.shape
             or (plan := _prefill_plan(gate, -2)) is None):
         return _stock_swiglu(gate, x)
+    if gate.dtype in HALF:
+        plan.in_numpy += 1
+        return _half_swiglu(gate, x)
     plan.in_numpy += 1
     mx.eval(gate, x)
     width = gate.shape[-1]
@@ -586,6 +593,54 @@ def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
             t *= gb
             t *= u[i:i + rows]
     return mx.array(out.reshape(gate.shape))
+
+
+_HALF_SILU: dict[mx.Dtype, np.ndarray] = {}
+
+
+def _half_silu(dtype: mx.Dtype) -> np.ndarray:
+    """silu(g) for every `dtype` (bfloat16 or float16) value g, as float32 (exact),
+    indexed by g's 16 bits: made by mlx-lm's own compiled SwiGLU on all of them (times
+    one, which is exact), so a lookup is the stock kernel's result."""
+    table = _HALF_SILU.get(dtype)
+    if table is None:
+        every = mx.arange(1 << 16, dtype=mx.uint32).astype(mx.uint16).view(dtype)
+        silu = _stock_swiglu(every, mx.ones_like(every)).astype(mx.float32)
+        table = _HALF_SILU[dtype] = np.array(silu)
+    return table
+
+
+def _half_swiglu(gate: mx.array, x: mx.array) -> mx.array:
+    """`silu(gate) * x` for half-precision arrays, as MLX's kernel computes it: silu from
+    the table, the product of two half-precision values in float32 (exact), rounded to
+    nearest even."""
+    table = _half_silu(gate.dtype)
+    mx.eval(gate, x)
+    g = np.asarray(gate.view(mx.uint16)).reshape(-1)
+    u = np.asarray(x.view(mx.uint16)).reshape(-1)
+    out = np.empty(g.size, np.uint16)
+    block = min(g.size, _BLOCK_ELEMENTS)
+    with np.errstate(over="ignore", invalid="ignore"):  # to inf or NaN, as MLX's
+        _half_products(table, g, u, out, block, gate.dtype)
+    return mx.array(out.reshape(gate.shape)).view(gate.dtype)
+
+
+def _half_products(table: np.ndarray, g: np.ndarray, u: np.ndarray, out: np.ndarray,
+                   block: int, dtype: mx.Dtype) -> None:
+    """out = silu(g) * u, a block at a time; g, u and out hold `dtype`'s 16 bits."""
+    prod, other, tmp = (np.empty(block, t) for t in (np.float32, np.uint32, np.uint32))
+    for i in range(0, g.size, block):
+        n = min(block, g.size - i)
+        p, o = prod[:n], other[:n]
+        np.take(table, g[i:i + n], out=p)
+        if dtype == mx.bfloat16:  # a bfloat16 value is the top half of its float32
+            np.left_shift(u[i:i + n], 16, out=o, dtype=np.uint32)
+            p *= o.view(np.float32)
+            _round_half(p, dtype, tmp)
+            np.right_shift(p.view(np.uint32), 16, out=out[i:i + n], casting="unsafe")
+        else:
+            p *= u[i:i + n].view(np.float16)
+            np.copyto(out[i:i + n].view(np.float16), p, casting="unsafe")
 
 
 _PATCHES = (("scaled_dot_product_attention", _stock_sdpa, _sdpa),

@@ -1,14 +1,17 @@
-"""A model's last block left lazy in a prefill chunk (engine/fast_prefill.py
-`_LastBlock`), against the same fast path computing it at once.
+"""One change to the fast prefill (engine/fast_prefill.py) switched on and off in one
+process: `--change last-block`, the model's last block left lazy in a prefill chunk
+(`_LastBlock`) against computing it at once; `--change half-swiglu`, a half-precision
+chunk's SwiGLU through the table of silu (`_half_swiglu`) against MLX's own kernel.
 
     python -m tools.bench_last_block                       # small-fp32, medium-fp32; 256, 1024
     python -m tools.bench_last_block --models small-bf16,small-4bit,medium-bf16,medium-4bit
     python -m tools.bench_last_block --models small-fp32 --prompts 512 --pairs 20
+    python -m tools.bench_last_block --change half-swiglu --models small-bf16,medium-4bit
 
-One process, one load: the fast path is installed once and the last block's marking
-switched on and off between runs, in pairs whose order alternates. One run is what
-mlx-lm does with a prefill chunk: the model on the prompt, then the cache evaluated.
-Prints the median of each side and what the marking saves.
+One load: the fast path is installed once and the change switched on and off between
+runs, in pairs whose order alternates. One run is what mlx-lm does with a prefill chunk:
+the model on the prompt, then the cache evaluated. Prints the median of each side and
+what the change saves.
 """
 
 from __future__ import annotations
@@ -38,7 +41,26 @@ def prefill_ms(model, ids) -> float:
     return (time.perf_counter() - began) * 1e3
 
 
-def measure(name: str, lengths: list[int], pairs: int) -> None:
+def _switch_last_block(plan, blocks, on: bool) -> None:
+    if on:
+        fast_prefill._mark_last_block(plan, blocks)
+    else:
+        fast_prefill._unmark_last_block(plan)
+
+
+_OWN_HALF_SWIGLU = fast_prefill._half_swiglu
+
+
+def _switch_half_swiglu(plan, blocks, on: bool) -> None:
+    fast_prefill._half_swiglu = _OWN_HALF_SWIGLU if on else fast_prefill._stock_swiglu
+
+
+SWITCHES = {"last-block": _switch_last_block, "half-swiglu": _switch_half_swiglu}
+HEADERS = {"last-block": ("last block computed (ms)", "left lazy (ms)"),
+           "half-swiglu": ("MLX's SwiGLU (ms)", "table SwiGLU (ms)")}
+
+
+def measure(name: str, lengths: list[int], pairs: int, change: str) -> None:
     import mlx.core as mx
     from mlx_lm import load
 
@@ -52,17 +74,14 @@ def measure(name: str, lengths: list[int], pairs: int) -> None:
         ids = mx.array([prompt_ids(tokenizer, n)])
         times: dict[bool, list[float]] = {True: [], False: []}
         for i in range(pairs):
-            for marked in ((True, False) if i % 2 else (False, True)):
-                if marked:
-                    fast_prefill._mark_last_block(plan, blocks)
-                else:
-                    fast_prefill._unmark_last_block(plan)
+            for on in ((True, False) if i % 2 else (False, True)):
+                SWITCHES[change](plan, blocks, on)
                 prefill_ms(model, ids)  # warm this side
-                times[marked].append(prefill_ms(model, ids))
-        lazy, eager = (statistics.median(times[m]) for m in (True, False))
-        print(f"| {name} | {len(blocks)} | {n} | {eager:.1f} | {lazy:.1f} | "
-              f"{100 * (1 - lazy / eager):.1f} % |", flush=True)
-    fast_prefill._mark_last_block(plan, blocks)
+                times[on].append(prefill_ms(model, ids))
+        with_it, without = (statistics.median(times[m]) for m in (True, False))
+        print(f"| {name} | {len(blocks)} | {n} | {without:.1f} | {with_it:.1f} | "
+              f"{100 * (1 - with_it / without):.1f} % |", flush=True)
+    SWITCHES[change](plan, blocks, True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,11 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="small-fp32,medium-fp32")
     ap.add_argument("--prompts", default="256,1024", help="prompt lengths, comma-separated")
     ap.add_argument("--pairs", type=int, default=12, help="runs of each side (default 12)")
+    ap.add_argument("--change", choices=sorted(SWITCHES), default="last-block")
     args = ap.parse_args(argv)
-    print("| model | blocks | prompt tokens | last block computed (ms) | left lazy (ms) | saved |")
+    off, on = HEADERS[args.change]
+    print(f"| model | blocks | prompt tokens | {off} | {on} | saved |")
     print("|---|---:|---:|---:|---:|---:|")
     for name in args.models.split(","):
-        measure(name, [int(n) for n in args.prompts.split(",")], args.pairs)
+        measure(name, [int(n) for n in args.prompts.split(",")], args.pairs, args.change)
     return 0
 
 

@@ -273,9 +273,41 @@ def test_numpy_swiglu_matches_mlx_and_saturates_quietly():
         stock = fast_prefill._stock_swiglu(gate, x)
         assert mx.abs(ours - stock).max().item() <= 1e-5
         assert mx.all(ours[0, :4, :8] == 0).item()
-        # Half precision keeps MLX's kernel.
-        fast_prefill._swiglu(gate.astype(mx.bfloat16), x.astype(mx.bfloat16))
-        assert plan.in_numpy == 1
+    finally:
+        fast_prefill._thread.plan = None
+
+
+@pytest.mark.parametrize("half", [mx.bfloat16, mx.float16])
+def test_half_precision_swiglu_is_mlx_s_bit_for_bit(half):
+    """A half-precision chunk's SwiGLU (a lookup of silu in a table the stock kernel made,
+    times x rounded to nearest even) gives MLX's own bits: gates and inputs over the whole
+    range, saturating ones, zeros, infinities and the largest finite values included (a
+    NaN, from zero times infinity, may differ in its sign bit); a chunk too short for the fast path keeps the stock kernel."""
+    plan = fast_prefill.FastPrefill(True, "test", dtype=str(half))
+    plan.bind_thread()
+    try:
+        mx.random.seed(5)
+        big = 65504.0 if half == mx.float16 else 3.0e38
+        edges = mx.array([0.0, -0.0, 1e-3, -1e-3, 20.0, -20.0, 200.0, -200.0, big, -big,
+                          float("inf"), float("-inf")])
+        for scale in (1.0, 8.0, 60.0):
+            gate = (mx.random.normal((2, 40, 96)) * scale).astype(half)
+            x = (mx.random.normal((2, 40, 96)) * scale).astype(half)
+            gate[0, 0, :12] = edges.astype(half)
+            x[0, 1, :12] = edges.astype(half)
+            before = plan.in_numpy
+            ours = fast_prefill._swiglu(gate, x)
+            assert plan.in_numpy == before + 1
+            stock = fast_prefill._stock_swiglu(gate, x)
+            assert ours.dtype == half and ours.shape == stock.shape
+            nan = mx.isnan(stock)  # 0 x inf: a NaN either way, its sign bit may differ
+            assert mx.array_equal(mx.isnan(ours), nan).item()
+            assert mx.array_equal(mx.where(nan, 0, ours.view(mx.uint16)),
+                                  mx.where(nan, 0, stock.view(mx.uint16))).item()
+        short = (mx.random.normal((1, 8, 96))).astype(half)
+        before = plan.in_numpy
+        fast_prefill._swiglu(short, short)
+        assert plan.in_numpy == before
     finally:
         fast_prefill._thread.plan = None
 
