@@ -50,6 +50,7 @@ class _Shown:
     # arrays are later updated in place: the kernel then reads stale, never freed, bytes).
     buffers: tuple
     view: mx.array  # MLX's own buffer, seen as float32
+    view_t: mx.array  # the same, transposed once (not a transpose in every product's graph)
     release: weakref.finalize  # unregisters once: here, or when the layer is collected
 
 
@@ -111,7 +112,9 @@ def show(m: nn.Module) -> mx.array | None:
                                   HALF_KINDS[w.dtype])
     if slot is None:
         return None
-    object.__setattr__(m, "_shim_shown", _Shown(_parts(m), tuple(arrays), view,
+    view_t = view.T
+    mx.eval(view_t)
+    object.__setattr__(m, "_shim_shown", _Shown(_parts(m), tuple(arrays), view, view_t,
                                                 weakref.finalize(m, blas.half_unregister,
                                                                  slot)))
     return view
@@ -139,18 +142,29 @@ def product(m: nn.Module, view: mx.array, x: mx.array) -> mx.array:
     product: x's rows in float32, each spread over as many rows of the view's width as
     the kernel reads (`_rows`), and the real y in the first rows of MLX's output. What it
     adds is x and y in float32 (rows x the layer's sides, y a few times over), freed with
-    the step. The result is in x's dtype."""
+    the step. The result is in x's dtype.
+
+    A decode step runs this for every layer, and on MLX's CPU backend each operation in
+    its graph costs a few microseconds whatever its size: the common case (every row in
+    one product) is six of them, no slice, copy or transpose that changes nothing."""
     n, width = int(view.shape[0]), int(view.shape[1])
-    x32 = x.astype(mx.float32).reshape(-1, x.shape[-1])
-    rows = int(x32.shape[0])
-    a = _rows(m, x32, width)
-    spread = a.shape[1] // width
+    k = int(x.shape[-1])
+    rows = x.size // k
+    a = x.astype(mx.float32)
+    if _quantized(m):
+        a = _rows(m, a.reshape(rows, k), width)
+    spread = a.size // (rows * width)
+    held: _Shown | None = m.__dict__.get("_shim_shown")
+    view_t = held.view_t if held is not None and held.view is view else view.T
     # MLX's output is `spread` times the real one: a few rows at a time past a bound, so
     # a wide LM head over many sequences never holds more than that at once.
     step = max(1, min(blas.HALF_ROWS, PRODUCT_OUTPUT_BYTES // (spread * n * 4)))
-    parts = [(mx.contiguous(a[r:r + step]).reshape(-1, width) @ view.T)[:min(step, rows - r)]
-             for r in range(0, rows, step)]
-    y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+    if rows <= step:
+        y = (a.reshape(-1, width) @ view_t)[:rows]
+    else:
+        a = a.reshape(rows, spread * width)
+        y = mx.concatenate([(mx.contiguous(a[r:r + step]).reshape(-1, width) @ view_t)
+                            [:min(step, rows - r)] for r in range(0, rows, step)], axis=0)
     if "bias" in m:
         y = y + m["bias"].astype(mx.float32)
     return y.reshape(*x.shape[:-1], n).astype(x.dtype)
