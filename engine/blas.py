@@ -77,6 +77,15 @@ GEMM_PARALLEL_MIN = 1 << 22
 # (docs/benchmarks.md, "Two and three rows as sgemv"). The variable overrides it.
 GEMV_ROWS_ENV = "PLIMSOLL_BLAS_GEMV_ROWS"
 GEMV_ROWS = 3
+# Products of at most this many rows (a decode step's, one per sequence) by a float32
+# weight of at least SKINNY_MIN_MACS multiply-adds run through the shim's own kernel,
+# which reads the weight once per four rows, on every thread; OpenBLAS reads it once per
+# row (sgemv) or packs it (sgemm) (engine/cblas_shim.c, "a float32 weight through the same
+# kernel"; docs/benchmarks.md, "Skinny float32 products"). The variable overrides it; 0
+# turns it off.
+SKINNY_ROWS_ENV = "PLIMSOLL_BLAS_SKINNY_ROWS"
+SKINNY_ROWS = 8
+SKINNY_MIN_MACS = 1 << 16
 # The shim's decode kernels run a product of at least KERNEL_PARALLEL_MIN_BYTES of weight on
 # this many threads (default: the BLAS's; 1: one thread), its output columns split
 # between MLX's thread and helpers (engine/cblas_shim.c, "more than one thread").
@@ -351,6 +360,7 @@ def _load_openblas(path: str, reason: str) -> BlasState:
     # Now global (the same handle, promoted), so libmlx.so's cblas_sgemm binds to it.
     ctypes.CDLL(str(shim_path), mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD)
     _handles.extend((lib, shim))
+    skinny = _bind_skinny()
     get_config = getattr(lib, OPENBLAS_PREFIX + "openblas_get_config", None)
     config: list[str] = []
     if get_config is not None:
@@ -365,6 +375,8 @@ def _load_openblas(path: str, reason: str) -> BlasState:
         kernels = (corename() or b"").decode(errors="replace").strip()
     version = ".".join(version.split(".")[:3])
     desc = f"OpenBLAS {version} (scipy-openblas32{', ' + kernels + ' kernels' if kernels else ''}" \
+        + (f", float32 products of up to {skinny} rows through the shim's kernel" if skinny
+           else "") \
         + (", one-row products as gemv)" if rows == 1 else
            f", products of up to {rows} rows as gemv)")
     return BlasState("openblas", version, desc, threads, True, reason, path)
@@ -381,7 +393,7 @@ def shim_counts() -> tuple[int, int, int] | None:
     return None
 
 
-HALF_BF16, HALF_F16 = 0, 1  # engine/cblas_shim.c's kinds
+HALF_BF16, HALF_F16, HALF_F32 = 0, 1, 2  # engine/cblas_shim.c's kinds
 HALF_ROWS = 32  # rows one call of the half-precision kernel takes
 
 
@@ -664,6 +676,44 @@ def parallel_min() -> tuple[int, int]:
                     PARALLEL_ENV, raw, GEMV_PARALLEL_MIN, GEMM_PARALLEL_MIN)
         return GEMV_PARALLEL_MIN, GEMM_PARALLEL_MIN
     return gemv, gemm
+
+
+def skinny_rows() -> int:
+    """Rows up to which the shim runs a float32 product through its own kernel: SKINNY_ROWS,
+    or $PLIMSOLL_BLAS_SKINNY_ROWS (0 off, up to HALF_ROWS; a value that does not parse is
+    logged, the default kept)."""
+    raw = os.environ.get(SKINNY_ROWS_ENV, "").strip()
+    if not raw:
+        return SKINNY_ROWS
+    if raw.isdigit() and int(raw) <= HALF_ROWS:
+        return int(raw)
+    log.warning("%s=%r is not a whole number from 0 to %d; using %d", SKINNY_ROWS_ENV, raw,
+                HALF_ROWS, SKINNY_ROWS)
+    return SKINNY_ROWS
+
+
+def _bind_skinny() -> int:
+    """Turns the shim's skinny float32 products on (`skinny_rows`) where it was built with
+    its kernels, and starts the helper threads they share large products with; the rows."""
+    return set_skinny_rows(skinny_rows())
+
+
+def set_skinny_rows(rows: int) -> int:
+    """Float32 products of up to `rows` rows through the shim's kernel from now on (0: none;
+    benchmarks switch it in one process); the rows, 0 where the shim has no kernels."""
+    bind = _shim_function("plimsoll_skinny_bind", [ctypes.c_int, ctypes.c_longlong], None)
+    if bind is None or half_gemv() is None:  # no shim, or one built without its kernels
+        return 0
+    bind(rows, SKINNY_MIN_MACS)
+    if rows:
+        _start_kernel_helpers()
+    return rows
+
+
+def skinny_calls() -> int:
+    """Float32 products the shim ran through its own kernel since the load (tests read it)."""
+    fn = _shim_function("plimsoll_skinny_calls", [], ctypes.c_longlong)
+    return int(fn()) if fn is not None else 0
 
 
 def gemv_rows() -> int:

@@ -68,11 +68,27 @@ void plimsoll_cblas_counts(i64 *gemm, i64 *gemv, i64 *parallel) {
 static int shown_product(int order, int trans_a, int trans_b, int m, int n, int k,
                          float alpha, const float *a, int lda, const float *b, int ldb,
                          float beta, float *c, int ldc);
+static int skinny_product(int order, int trans_a, int trans_b, int m, int n, int k,
+                          float alpha, const float *a, int lda, const float *b, int ldb,
+                          float beta, float *c, int ldc);
+
+/* Skinny products (below, "a float32 weight through the same kernel"): up to this many
+ * rows (0: none), from this many multiply-adds. engine/blas.py sets them. */
+static int skinny_rows;
+static i64 skinny_min_macs = (i64)1 << 62, skinny_calls;
+
+void plimsoll_skinny_bind(int rows, i64 min_macs) {
+  skinny_rows = rows;
+  skinny_min_macs = min_macs;
+}
+
+i64 plimsoll_skinny_calls(void) { return skinny_calls; }
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int m, int n, int k, float alpha,
                  const float *a, int lda, const float *b, int ldb, float beta, float *c,
                  int ldc) {
-  if (shown_product(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
+  if (shown_product(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc) ||
+      skinny_product(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
     return;
   if (m >= 1 && m <= gemv_rows && k > 0 && order == ROW_MAJOR && target_sgemv) {
     use_threads((i64)n * k, gemv_parallel_min);
@@ -118,7 +134,8 @@ typedef unsigned short v8u16 __attribute__((vector_size(16), aligned(2)));
 typedef short v8i16 __attribute__((vector_size(16), aligned(2)));
 typedef unsigned int v8u32 __attribute__((vector_size(32)));
 
-enum { HALF_BF16 = 0, HALF_F16 = 1, HALF_ROWS = 32 };
+/* HALF_F32: a float32 weight through the same kernel (a skinny product, below). */
+enum { HALF_BF16 = 0, HALF_F16 = 1, HALF_F32 = 2, HALF_ROWS = 32 };
 
 static float half_to_float(unsigned short h) {
   unsigned sign = (unsigned)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, man = h & 0x3ffu;
@@ -158,41 +175,47 @@ static float bf16_to_float(unsigned short h) {
 #define HALF_WIDEN(kind, p, WIDEN_F16)                                                      \
   ((kind) == HALF_BF16 ? (v8f)(__builtin_convertvector(*(const v8u16 *)(p), v8u32) << 16)   \
                        : WIDEN_F16(p))
+/* 8 weights from element `at` of a row (float32 ones as they are), and one. */
+#define W8(kind, wr, at, WIDEN_F16)                                                         \
+  ((kind) == HALF_F32 ? *(const v8f *)((const float *)(wr) + (at))                          \
+                      : HALF_WIDEN(kind, (const unsigned short *)(wr) + (at), WIDEN_F16))
+#define W1(kind, wr, at)                                                                    \
+  ((kind) == HALF_F32   ? ((const float *)(wr))[at]                                         \
+   : (kind) == HALF_BF16 ? bf16_to_float(((const unsigned short *)(wr))[at])                \
+                         : half_to_float(((const unsigned short *)(wr))[at]))
 #define HALF_FUNCS(SUFFIX, ATTR, WIDEN_F16)                                                 \
   ATTR static inline __attribute__((always_inline)) void block_##SUFFIX(                    \
       const int kind, const int MB, const int A, int k, const float *x, i64 ldx,            \
-      const unsigned short *wr, float *y, i64 ldy) {                                        \
+      const void *wr, float *y, i64 ldy) {                                                  \
     v8f acc[4][4];                                                                          \
     UNROLL for (int i = 0; i < MB; i++)                                                     \
       UNROLL for (int a = 0; a < A; a++) acc[i][a] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};         \
     int ks = k / (8 * A) * (8 * A), kv = k & ~7;                                            \
     for (int t = 0; t < ks; t += 8 * A) {                                                   \
       UNROLL for (int a = 0; a < A; a++) {                                                  \
-        v8f wv = HALF_WIDEN(kind, wr + t + 8 * a, WIDEN_F16);                               \
+        v8f wv = W8(kind, wr, t + 8 * a, WIDEN_F16);                                        \
         UNROLL for (int i = 0; i < MB; i++)                                                 \
           acc[i][a] += wv * *(const v8f *)(x + i * ldx + t + 8 * a);                        \
       }                                                                                     \
     }                                                                                       \
     for (int t = ks; t < kv; t += 8) {                                                      \
-      v8f wv = HALF_WIDEN(kind, wr + t, WIDEN_F16);                                         \
+      v8f wv = W8(kind, wr, t, WIDEN_F16);                                                  \
       UNROLL for (int i = 0; i < MB; i++) acc[i][0] += wv * *(const v8f *)(x + i * ldx + t);\
     }                                                                                       \
     UNROLL for (int i = 0; i < MB; i++) {                                                   \
       v8f v = A == 4 ? (acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3])                    \
                      : acc[i][0] + acc[i][1];                                               \
       float s = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));          \
-      for (int t = kv; t < k; t++)                                                          \
-        s += (kind == HALF_BF16 ? bf16_to_float(wr[t]) : half_to_float(wr[t])) *            \
-             x[i * ldx + t];                                                                \
+      for (int t = kv; t < k; t++) s += W1(kind, wr, t) * x[i * ldx + t];                  \
       y[i * ldy] = s;                                                                       \
     }                                                                                       \
   }                                                                                         \
                                                                                             \
   ATTR static inline __attribute__((always_inline)) void rows_##SUFFIX(                     \
-      const int kind, int m, int k, const float *x, i64 ldx, const unsigned short *w,       \
-      i64 ldw, float *y, i64 ldy, int j0, int j1) {                                         \
+      const int kind, int m, int k, const float *x, i64 ldx, const void *w, i64 ldw,       \
+      float *y, i64 ldy, int j0, int j1) {                                                  \
     for (int j = j0; j < j1; j++) {                                                         \
-      const unsigned short *wr = w + (i64)j * ldw;                                          \
+      const void *wr = (const char *)w + (i64)j * ldw * (kind == HALF_F32 ? 4 : 2);         \
       for (int i0 = 0; i0 < m; i0 += 4) {                                                   \
         const float *xb = x + i0 * ldx;                                                     \
         float *yb = y + i0 * ldy + j;                                                       \
@@ -207,12 +230,14 @@ static float bf16_to_float(unsigned short h) {
   }                                                                                         \
                                                                                             \
   ATTR static void half_gemv_##SUFFIX(int kind, int m, int k, const float *x, i64 ldx,      \
-                                      const unsigned short *w, i64 ldw, float *y, i64 ldy,  \
-                                      int j0, int j1) {                                     \
+                                      const void *w, i64 ldw, float *y, i64 ldy, int j0,    \
+                                      int j1) {                                             \
     if (kind == HALF_BF16)                                                                  \
       rows_##SUFFIX(HALF_BF16, m, k, x, ldx, w, ldw, y, ldy, j0, j1);                       \
-    else                                                                                    \
+    else if (kind == HALF_F16)                                                              \
       rows_##SUFFIX(HALF_F16, m, k, x, ldx, w, ldw, y, ldy, j0, j1);                        \
+    else                                                                                    \
+      rows_##SUFFIX(HALF_F32, m, k, x, ldx, w, ldw, y, ldy, j0, j1);                        \
   }
 
 /* Portable: float16 one value at a time. */
@@ -283,11 +308,11 @@ int plimsoll_half_use_portable(int portable) {
   return 0;
 }
 
-/* kind: HALF_BF16 or HALF_F16; returns -1 for arguments it does not take. */
-int plimsoll_half_gemv(int kind, int m, int k, const float *x, i64 ldx,
-                       const unsigned short *w, i64 ldw, float *y, i64 ldy, int j0, int j1) {
-  if ((kind != HALF_BF16 && kind != HALF_F16) || m < 1 || m > HALF_ROWS || k < 1 ||
-      j0 < 0 || j1 < j0)
+/* kind: HALF_BF16, HALF_F16 or HALF_F32; returns -1 for arguments it does not take. */
+int plimsoll_half_gemv(int kind, int m, int k, const float *x, i64 ldx, const void *w,
+                       i64 ldw, float *y, i64 ldy, int j0, int j1) {
+  if ((kind != HALF_BF16 && kind != HALF_F16 && kind != HALF_F32) || m < 1 ||
+      m > HALF_ROWS || k < 1 || j0 < 0 || j1 < j0)
     return -1;
 #if defined(__x86_64__)
   if (plimsoll_half_isa()) {
@@ -536,9 +561,9 @@ static void shown_columns(const struct shown_job *job, int j0, int j1) {
     int r = job->rows - r0 < HALF_ROWS ? job->rows - r0 : HALF_ROWS;
     const float *a = job->a + r0 * job->lda;
     float *c = job->c + (i64)r0 * job->ldc;
-    if (job->bits == 16)
-      plimsoll_half_gemv(job->kind, r, job->k, a, job->lda, (const unsigned short *)job->w,
-                         job->k, c, job->ldc, j0, j1);
+    if (job->bits == 16 || job->bits == 32)
+      plimsoll_half_gemv(job->kind, r, job->k, a, job->lda, job->w, job->k, c, job->ldc, j0,
+                         j1);
     else
       plimsoll_quant_gemv(job->bits, job->group, job->kind, r, job->k, a, job->lda, job->w,
                           job->scales, job->biases, c, job->ldc, j0, j1);
@@ -708,6 +733,31 @@ static int shared_product(const struct shown_job *job, int n) {
 }
 #endif
 
+/* -- a float32 weight through the same kernel ------------------------------------------
+ *
+ * A decode step of a float32 model multiplies a few rows (one per sequence) by each
+ * weight: x[m, k] @ w.T, w stored n x k. One row goes to sgemv, which streams the weight
+ * near this machine's bandwidth; two and three rows to one sgemv each, reading the weight
+ * as many times; from four OpenBLAS's sgemm packs the weight as for a large product and
+ * reads it at a third of that (docs/benchmarks.md, "Skinny float32 products"). The
+ * half-precision kernel's body reads a float32 weight row as well (HALF_F32: no widening)
+ * against up to 4 rows of x at once, and a large one is shared with the helper threads
+ * like a shown product: the weight is read once for every 4 rows, on every thread. Each
+ * output is one thread's sum in a fixed order, whatever the thread count. */
+static int skinny_product(int order, int trans_a, int trans_b, int m, int n, int k,
+                          float alpha, const float *a, int lda, const float *b, int ldb,
+                          float beta, float *c, int ldc) {
+  if (m < 1 || m > skinny_rows || order != ROW_MAJOR || trans_a != NO_TRANS ||
+      trans_b != TRANS || alpha != 1.f || beta != 0.f || ldb != k || lda < k || ldc < n ||
+      (i64)m * n * k < skinny_min_macs)
+    return 0;
+  struct shown_job job = {b, 0, 0, k, HALF_F32, 32, 0, m, a, lda, c, ldc};
+  if (!shared_product(&job, n))
+    shown_columns(&job, 0, n);
+  skinny_calls++;
+  return 1;
+}
+
 static int shown_product(int order, int trans_a, int trans_b, int m, int n, int k,
                          float alpha, const float *a, int lda, const float *b, int ldb,
                          float beta, float *c, int ldc) {
@@ -741,5 +791,10 @@ static int shown_product(int order, int trans_a, int trans_b, int m, int n, int 
   (void)order, (void)trans_a, (void)trans_b, (void)m, (void)n, (void)k, (void)alpha;
   (void)a, (void)lda, (void)b, (void)ldb, (void)beta, (void)c, (void)ldc;
   return 0;
+}
+static int skinny_product(int order, int trans_a, int trans_b, int m, int n, int k,
+                          float alpha, const float *a, int lda, const float *b, int ldb,
+                          float beta, float *c, int ldc) {
+  return shown_product(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 #endif /* the half-precision kernel */

@@ -3,10 +3,13 @@ same process: `--compare compiled` (default), the compiled RoPE and RMSNorm
 (engine/compiled_decode.py) against MLX's stock ops; `--compare kernel`, the shim's
 decode kernels for half-precision and quantized layers (engine/shim_decode.py) against
 what the model decodes with otherwise (MLX's own product; for a quantized model the
-float32 quantized product where that was measured faster).
+float32 quantized product where that was measured faster); `--compare skinny`, a float32
+model's products of a few rows through the shim's kernel (engine/cblas_shim.c, "a float32
+weight through the same kernel") against OpenBLAS, with the server's other decode paths on.
 
     python -m tools.bench_decode_step --models small-fp32,medium-fp32,small --batch 1,4
     python -m tools.bench_decode_step --compare kernel --models small,medium,small-4bit --batch 1,4
+    python -m tools.bench_decode_step --compare skinny --models tiny,small-fp32,medium-fp32 --batch 1,4,8
 
 Per model and batch size: the median step time of each side over the rounds, their ratio,
 and whether every step's logits were equal bit for bit (for the kernel: the largest
@@ -45,6 +48,10 @@ def _steps(model, prompts: list[list[int]], steps: int) -> tuple[list[float], li
     return times, [mx.stack(logits[u]) for u in uids]
 
 
+def _keep(_plan: object) -> None:
+    """Nothing to undo between rounds."""
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="small-fp32,medium-fp32,small",
@@ -52,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1,4", help="sequences decoded together")
     p.add_argument("--steps", type=int, default=32, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=6, help="rounds per side, alternating")
-    p.add_argument("--compare", choices=("compiled", "kernel"), default="compiled")
+    p.add_argument("--compare", choices=("compiled", "kernel", "skinny"), default="compiled")
     args = p.parse_args(argv)
     print(f"BLAS: {blas.preload().description}", flush=True)
     import mlx.core as mx
@@ -61,8 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     from engine.demo_models import ensure_demo_model, ensure_demo_variant
     from engine.loading import load_model
 
-    kernel = args.compare == "kernel"
-    if kernel:
+    kernel = args.compare in ("kernel", "skinny")
+    if args.compare == "skinny":
+        print("| model | batch | OpenBLAS step (ms) | skinny step (ms) | OpenBLAS / skinny | "
+              "max logprob difference | tokens equal |")
+        print("|---|---:|---:|---:|---:|---:|---|")
+    elif kernel:
         print("| model | batch | stock step (ms) | kernel step (ms) | stock / kernel | "
               "max logprob difference | tokens equal |")
         print("|---|---:|---:|---:|---:|---:|---|")
@@ -74,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         size, _, variant = name.partition("-")
         path = ensure_demo_variant(size, variant) if variant else ensure_demo_model(size)
         model = load_model(str(path)).model
+        if args.compare == "skinny":  # the server's decode paths, the same on both sides
+            fast_prefill.install(model)
+            compiled_decode.install(model)
         for batch in (int(b) for b in args.batch.split(",")):
             prompts = [list(range(5 + i, 69 + 7 * i)) for i in range(batch)]
             med: dict[bool, list[float]] = {True: [], False: []}
@@ -81,7 +95,13 @@ def main(argv: list[str] | None = None) -> int:
             equal = True
             for r in range(2 * args.rounds):
                 on = (r % 4) in (0, 3)  # ABBA
-                if kernel:
+                if args.compare == "skinny":
+                    if not blas.set_skinny_rows(blas.skinny_rows() if on else 0) and on:
+                        print("no skinny kernel in this process (not the OpenBLAS shim, or "
+                              "PLIMSOLL_BLAS_SKINNY_ROWS=0)", file=sys.stderr)
+                        return 1
+                    plan, undo = None, _keep
+                elif kernel:
                     plan = fast_prefill.install(model, decode_kernel=on)
                     if on and not (plan.decode_half or plan.decode_quant):
                         print(f"kernel not chosen: {plan.decode_reason}", file=sys.stderr)

@@ -149,14 +149,19 @@ def test_threads_follow_the_affinity_mask():
 
 
 @needs_openblas
-@pytest.mark.parametrize("gemv_rows", [None, "1"])
-def test_the_shim_sends_products_of_up_to_three_rows_to_gemv_and_the_rest_to_gemm(gemv_rows):
+@pytest.mark.parametrize("gemv_rows,skinny_rows", [(None, "0"), ("1", "0"), (None, None)])
+def test_the_shim_sends_products_of_up_to_three_rows_to_gemv_and_the_rest_to_gemm(
+        gemv_rows, skinny_rows):
     """Through MLX itself: a one-row product (either layout of the weight, as a linear
     layer or a plain matmul stores it) goes to sgemv, a three-row one to three sgemv
     calls (either layout of the rows too), a four- or 8-row one to sgemm; every result
-    matches NumPy in float64. PLIMSOLL_BLAS_GEMV_ROWS=1 sends only one-row products."""
+    matches NumPy in float64. PLIMSOLL_BLAS_GEMV_ROWS=1 sends only one-row products.
+    With the defaults (the skinny kernel on) every product by a weight stored as a linear
+    layer stores it, up to 8 rows, goes to the shim's own kernel instead."""
     rows_as_gemv = int(gemv_rows or blas.GEMV_ROWS)
-    env = _env(**({blas.GEMV_ROWS_ENV: gemv_rows} if gemv_rows else {}))
+    skinny = blas.SKINNY_ROWS if skinny_rows is None else int(skinny_rows)
+    env = _env(**({blas.GEMV_ROWS_ENV: gemv_rows} if gemv_rows else {}),
+               **({blas.SKINNY_ROWS_ENV: skinny_rows} if skinny_rows else {}))
     out = _python("""
         import json
         import numpy as np
@@ -168,27 +173,32 @@ def test_the_shim_sends_products_of_up_to_three_rows_to_gemv_and_the_rest_to_gem
         W, X = mx.array(w), mx.array(x)
         mx.eval(W, X)
         got = {}
-        for name, y, want, rows in (
-            ("x @ w.T", X[:1] @ W.T, x[:1] @ w.T.astype(np.float64), 1),
-            ("w.T[:1] @ w", W.T[:1] @ W, w.T[:1].astype(np.float64) @ w, 1),
-            ("x @ w.T (3 rows)", X[:3] @ W.T, x[:3].astype(np.float64) @ w.T, 3),
+        for name, y, want, rows, linear in (
+            ("x @ w.T", X[:1] @ W.T, x[:1] @ w.T.astype(np.float64), 1, True),
+            ("w.T[:1] @ w", W.T[:1] @ W, w.T[:1].astype(np.float64) @ w, 1, False),
+            ("x @ w.T (3 rows)", X[:3] @ W.T, x[:3].astype(np.float64) @ w.T, 3, True),
             ("x.T[:, :3].T @ w.T (3 rows)", X.T[:, :3].T @ W.T,
-             x[:3].astype(np.float64) @ w.T, 3),
-            ("w.T[:3] @ w (3 rows)", W.T[:3] @ W, w.T[:3].astype(np.float64) @ w, 3),
-            ("x @ w.T (4 rows)", X[:4] @ W.T, x[:4].astype(np.float64) @ w.T, 4),
-            ("x @ w.T (8 rows)", X @ W.T, x.astype(np.float64) @ w.T, 8),
+             x[:3].astype(np.float64) @ w.T, 3, True),
+            ("w.T[:3] @ w (3 rows)", W.T[:3] @ W, w.T[:3].astype(np.float64) @ w, 3, False),
+            ("x @ w.T (4 rows)", X[:4] @ W.T, x[:4].astype(np.float64) @ w.T, 4, True),
+            ("x @ w.T (8 rows)", X @ W.T, x.astype(np.float64) @ w.T, 8, True),
         ):
-            before = blas.shim_counts()
+            before, skinny = blas.shim_counts(), blas.skinny_calls()
             mx.eval(y)
             after = blas.shim_counts()
             got[name] = {"gemm": after[0] - before[0], "gemv": after[1] - before[1],
-                         "err": float(np.abs(np.array(y) - want).max()), "rows": rows}
+                         "skinny": blas.skinny_calls() - skinny,
+                         "err": float(np.abs(np.array(y) - want).max()), "rows": rows,
+                         "linear": linear}
         print(json.dumps(got))
     """, env)
     for name, r in json.loads(out).items():
         assert r["err"] < 1e-3, (name, r)
-        want = (r["rows"], 0) if r["rows"] <= rows_as_gemv else (0, 1)
-        assert (r["gemv"], r["gemm"]) == want, (name, r)
+        if r["linear"] and r["rows"] <= skinny:
+            want = (0, 0, 1)
+        else:
+            want = (r["rows"], 0, 0) if r["rows"] <= rows_as_gemv else (0, 1, 0)
+        assert (r["gemv"], r["gemm"], r["skinny"]) == want, (name, r)
 
 
 _THREADS_USED = """
@@ -212,8 +222,9 @@ _THREADS_USED = """
 def test_only_products_past_the_thresholds_run_on_every_thread():
     """A few rows of a small layer stay on one thread (a second one would take the core the
     event loop needs); a prefill-sized product and a one-row product over 2 MB of weights
-    use them all; PLIMSOLL_BLAS_PARALLEL_MIN moves both thresholds."""
-    env = _env(OPENBLAS_NUM_THREADS="2")
+    use them all; PLIMSOLL_BLAS_PARALLEL_MIN moves both thresholds. (OpenBLAS's own: the
+    skinny kernel, which would take the small product, is off here.)"""
+    env = _env(OPENBLAS_NUM_THREADS="2", **{blas.SKINNY_ROWS_ENV: "0"})
     default = json.loads(_python(_THREADS_USED, env))
     assert default["parallel"] == {"small": 0, "large": 1, "one_row": 1}, default
     assert default["min"] == [blas.GEMV_PARALLEL_MIN, blas.GEMM_PARALLEL_MIN]
@@ -221,6 +232,71 @@ def test_only_products_past_the_thresholds_run_on_every_thread():
     assert every["parallel"] == {"small": 1, "large": 1, "one_row": 1}, every
     high = json.loads(_python(_THREADS_USED, env | {blas.PARALLEL_ENV: "99999999,99999999"}))
     assert high["parallel"] == {"small": 0, "large": 0, "one_row": 0}, high
+
+
+_SKINNY = """
+    import json
+    import numpy as np
+    from engine import blas
+    import mlx.core as mx
+    rng = np.random.default_rng(5)
+    got = []
+    # (rows, n, k): tails of k past the 8-value vectors and the 32-value blocks, n not a
+    # multiple of 16 (each from SKINNY_MIN_MACS), 2 MiB of weight (shared with the helper
+    # threads), 9 rows (OpenBLAS)
+    for rows, n, k in ((1, 384, 256), (2, 160, 257), (3, 64, 1031), (4, 513, 130),
+                       (5, 256, 512), (8, 1024, 512), (1, 1024, 512), (9, 384, 256)):
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        x = rng.standard_normal((rows, k + 3)).astype(np.float32)
+        W, X = mx.array(w), mx.array(x)
+        mx.eval(W, X)
+        calls, shared = blas.skinny_calls(), blas.kernel_shared()[0]
+        y = X[:, :k] @ W.T  # x's rows k + 3 apart, as MLX passes them
+        mx.eval(y)
+        want = x[:, :k].astype(np.float64) @ w.T.astype(np.float64)
+        scale = np.abs(x[:, :k]).astype(np.float64) @ np.abs(w.T).astype(np.float64)
+        got.append({"rows": rows, "n": n, "k": k, "skinny": blas.skinny_calls() - calls,
+                    "shared": blas.kernel_shared()[0] - shared,
+                    "err": float((np.abs(np.array(y) - want) / scale).max()),
+                    "bits": np.array(y).view(np.uint32).tolist()})
+    print(json.dumps({"got": got, "helpers": blas.kernel_helpers(),
+                      "description": blas.state().description}))
+"""
+
+
+@needs_openblas
+def test_skinny_float32_products_run_through_the_shims_kernel():
+    """Through MLX itself, with the defaults: a product of up to 8 rows by a weight stored
+    as a linear layer stores it runs through the shim's own kernel (any k, tails
+    included; x's rows apart), within float32 rounding of float64; a weight of 2 MiB is
+    shared with the helper threads and gives the same bits on one thread; 9 rows go to
+    OpenBLAS. The description says so; PLIMSOLL_BLAS_SKINNY_ROWS=0 turns it off."""
+    default = json.loads(_python(_SKINNY, _env()))
+    assert "float32 products of up to 8 rows through the shim's kernel" in \
+        default["description"], default["description"]
+    for r in default["got"]:
+        assert r["err"] < 1e-5, r  # relative to the sum of the terms' sizes
+        assert r["skinny"] == (1 if r["rows"] <= blas.SKINNY_ROWS else 0), r
+    big = [r for r in default["got"] if r["n"] * r["k"] * 4 >= blas.KERNEL_PARALLEL_MIN_BYTES
+           and r["skinny"]]
+    assert big and all(r["shared"] == (1 if default["helpers"] else 0) for r in big), big
+    one = json.loads(_python(_SKINNY, _env(**{blas.KERNEL_THREADS_ENV: "1"})))
+    assert one["helpers"] == 0
+    assert [r["bits"] for r in one["got"]] == [r["bits"] for r in default["got"]]
+    off = json.loads(_python(_SKINNY, _env(**{blas.SKINNY_ROWS_ENV: "0"})))
+    assert "through the shim's kernel" not in off["description"]
+    assert all(r["skinny"] == 0 and r["err"] < 1e-5 for r in off["got"]), off["got"]
+
+
+def test_a_skinny_row_count_that_does_not_parse_keeps_the_default(monkeypatch, caplog):
+    for bad in ("many", "33", "-2", "2.5"):
+        monkeypatch.setenv(blas.SKINNY_ROWS_ENV, bad)
+        caplog.clear()
+        assert blas.skinny_rows() == blas.SKINNY_ROWS
+        assert blas.SKINNY_ROWS_ENV in caplog.text
+    for good, want in (("0", 0), ("4", 4), ("32", 32)):
+        monkeypatch.setenv(blas.SKINNY_ROWS_ENV, good)
+        assert blas.skinny_rows() == want
 
 
 def test_a_gemv_row_count_that_does_not_parse_keeps_the_default(monkeypatch, caplog):
