@@ -143,6 +143,8 @@ def preload() -> BlasState:
                 _state = _choose()
             except Exception as err:  # never break an import over a speed-up
                 _state = _reference(f"optimized BLAS not loaded: {err}", problem=True)
+            if _skinny:  # now that the BLAS's thread count is known (`kernel_threads`)
+                _start_kernel_helpers()
     return _state
 
 
@@ -700,14 +702,20 @@ def _bind_skinny() -> int:
 
 def set_skinny_rows(rows: int) -> int:
     """Float32 products of up to `rows` rows through the shim's kernel from now on (0: none;
-    benchmarks switch it in one process); the rows, 0 where the shim has no kernels."""
+    benchmarks switch it in one process), shared with the helper threads once the BLAS
+    is loaded; the rows, 0 where the shim has no kernels."""
+    global _skinny
     bind = _shim_function("plimsoll_skinny_bind", [ctypes.c_int, ctypes.c_longlong], None)
     if bind is None or half_gemv() is None:  # no shim, or one built without its kernels
         return 0
     bind(rows, SKINNY_MIN_MACS)
-    if rows:
+    _skinny = rows
+    if rows and _state is not None:
         _start_kernel_helpers()
     return rows
+
+
+_skinny = 0  # the rows the shim was last told (`set_skinny_rows`)
 
 
 def skinny_calls() -> int:

@@ -37,7 +37,7 @@ needs_openblas = pytest.mark.skipif(not HAVE_OPENBLAS,
 # What this process chose must not leak into the children's choice.
 _OURS = ("PLIMSOLL_BLAS", "MKL_NUM_THREADS", "MKL_THREADING_LAYER", "MKL_INTERFACE_LAYER",
          "OPENBLAS_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT", "PLIMSOLL_BLAS_PARALLEL_MIN",
-         "PLIMSOLL_BLAS_GEMV_ROWS")
+         "PLIMSOLL_BLAS_GEMV_ROWS", "PLIMSOLL_BLAS_SKINNY_ROWS")
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -283,6 +283,10 @@ def test_skinny_float32_products_run_through_the_shims_kernel():
     one = json.loads(_python(_SKINNY, _env(**{blas.KERNEL_THREADS_ENV: "1"})))
     assert one["helpers"] == 0
     assert [r["bits"] for r in one["got"]] == [r["bits"] for r in default["got"]]
+    # The helpers follow the BLAS's thread count, known only once it is loaded.
+    one_blas = json.loads(_python(_SKINNY, _env(OPENBLAS_NUM_THREADS="1")))
+    assert one_blas["helpers"] == 0
+    assert [r["bits"] for r in one_blas["got"]] == [r["bits"] for r in default["got"]]
     off = json.loads(_python(_SKINNY, _env(**{blas.SKINNY_ROWS_ENV: "0"})))
     assert "through the shim's kernel" not in off["description"]
     assert all(r["skinny"] == 0 and r["err"] < 1e-5 for r in off["got"]), off["got"]
