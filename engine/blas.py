@@ -362,7 +362,7 @@ def _load_openblas(path: str, reason: str) -> BlasState:
     # Now global (the same handle, promoted), so libmlx.so's cblas_sgemm binds to it.
     ctypes.CDLL(str(shim_path), mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD)
     _handles.extend((lib, shim))
-    skinny = _bind_skinny()
+    skinny = set_skinny_rows(skinny_rows())  # its helper threads start in `preload`
     get_config = getattr(lib, OPENBLAS_PREFIX + "openblas_get_config", None)
     config: list[str] = []
     if get_config is not None:
@@ -692,12 +692,6 @@ def skinny_rows() -> int:
     log.warning("%s=%r is not a whole number from 0 to %d; using %d", SKINNY_ROWS_ENV, raw,
                 HALF_ROWS, SKINNY_ROWS)
     return SKINNY_ROWS
-
-
-def _bind_skinny() -> int:
-    """Turns the shim's skinny float32 products on (`skinny_rows`) where it was built with
-    its kernels, and starts the helper threads they share large products with; the rows."""
-    return set_skinny_rows(skinny_rows())
 
 
 def set_skinny_rows(rows: int) -> int:
