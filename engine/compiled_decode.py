@@ -9,9 +9,10 @@ takes ~10 % off the step on the small and medium demo models (docs/benchmarks.md
 compiled function runs the same operations: the logits are the stock path's bit for
 bit (tests/integration/test_compiled_decode.py).
 
-Only decode-sized calls take it (one token per sequence, `decode_sized`); prefill
-chunks keep the stock ops, whose cost there is arithmetic and where every chunk length
-would need a trace of its own. The position goes in as an array, so one trace serves
+Only decode-sized calls take it (one token per sequence, `decode_sized`): a prefill
+chunk's cost is arithmetic, and every chunk length would need a trace of its own. A
+prefill chunk's RoPE takes its cosines and sines from a table instead
+(engine/rope_table.py, the same bits); its norms stay stock. The position goes in as an array, so one trace serves
 every offset (an int offset would be a constant of the trace), and the functions are
 shared by every layer with the same settings, weights passed in.
 
@@ -37,6 +38,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import rope_utils
+
+from engine import rope_table
 
 
 @dataclass
@@ -105,7 +108,9 @@ class _CompiledRMSNorm(nn.RMSNorm):
 class _CompiledRoPE(nn.RoPE):
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         if not decode_sized(x):
-            return super().__call__(x, offset)
+            key = ("rope", self.dims, self.traditional, self.base, self.scale)
+            out = rope_table.rotate(self, x, offset, super().__call__, key)
+            return super().__call__(x, offset) if out is None else out
         fn = _rope_fn(self.dims, self.traditional, self.base, self.scale, False)
         return fn(x, _offset_array(offset))
 
@@ -113,7 +118,9 @@ class _CompiledRoPE(nn.RoPE):
 class _CompiledLlama3RoPE(rope_utils.Llama3RoPE):
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         if not decode_sized(x):
-            return super().__call__(x, offset)
+            key = ("llama3", self.dims, self.traditional, bytes(memoryview(self._freqs)))
+            out = rope_table.rotate(self, x, offset, super().__call__, key)
+            return super().__call__(x, offset) if out is None else out
         fn = _rope_fn(self.dims, self.traditional, None, 1.0, True)
         return fn(x, _offset_array(offset), self._freqs)
 

@@ -1,0 +1,130 @@
+"""A prefill chunk's RoPE from a table of cosines and sines, on a Linux CPU.
+
+MLX's CPU backend has no RoPE kernel: `mx.fast.rope` computes every position's angles,
+their cosines and their sines on each call, one value at a time, and on a prefill chunk
+that is most of its cost (a 255-token chunk of the small demo model: ~0.6-0.75 ms a call,
+two calls a block). The angles depend only on the position and the module's settings,
+so a table per setting holds them for a range of positions and a chunk takes its rows.
+
+The table is made by the stock op itself, on an input whose rotated halves are 1 and 0
+(its output there is the cosine and the sine MLX would use), and a chunk is rotated with
+the stock op's own products and sums in the same order: the result is `mx.fast.rope`'s
+bit for bit (tests/integration/test_rope_table.py). Tables are shared by every layer with
+the same settings and dtype, grow by doubling as positions need, and stop at
+`MAX_TABLE_BYTES` (past that, the stock op): a few hundred KiB on the demo models.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+MAX_TABLE_BYTES = 16 << 20  # cosines and sines together, per setting
+FIRST_ROWS = 1024
+
+
+@dataclass(frozen=True)
+class _Table:
+    lo: int  # the position of row 0
+    cos: mx.array  # (rows, dims / 2), in the input's dtype
+    sin: mx.array
+
+    @property
+    def hi(self) -> int:
+        return self.lo + self.cos.shape[0]
+
+
+_tables: dict[tuple, _Table] = {}
+_lock = threading.Lock()  # engines of different models may build a table at once
+
+
+def rotate(module: Any, x: mx.array, offset: Any, stock: Callable[[mx.array, Any], mx.array],
+           key: tuple) -> mx.array | None:
+    """`stock(x, offset)` (the module's `mx.fast.rope`) for a (batch, heads, tokens, dim)
+    chunk, from the table of the setting `key`; None where the table does not serve (then
+    the caller runs the stock op)."""
+    if x.ndim != 4 or x.shape[-2] < 2 or module.dims % 2 or module.dims > x.shape[-1]:
+        return None
+    tokens = x.shape[-2]
+    if isinstance(offset, int):
+        lo, hi = offset, offset + tokens
+    elif isinstance(offset, mx.array) and offset.ndim == 1 and offset.shape[0] == x.shape[0]:
+        # A batch's offsets (mlx-lm's BatchKVCache: negative under left padding).
+        lo, hi = int(mx.min(offset).item()), int(mx.max(offset).item()) + tokens
+    else:
+        return None
+    table = _table(module, stock, (*key, x.dtype), lo, hi, x.dtype)
+    if table is None:
+        return None
+    if isinstance(offset, int):
+        cos = table.cos[lo - table.lo:hi - table.lo]
+        sin = table.sin[lo - table.lo:hi - table.lo]
+    else:
+        rows = offset[:, None] + (mx.arange(tokens, dtype=offset.dtype) - table.lo)
+        cos, sin = table.cos[rows][:, None], table.sin[rows][:, None]
+    return _apply(x, module.dims, module.traditional, cos, sin)
+
+
+def _apply(x: mx.array, dims: int, traditional: bool, cos: mx.array,
+           sin: mx.array) -> mx.array:
+    # The stock op's arithmetic: x1 * cos - x2 * sin, x1 * sin + x2 * cos.
+    if traditional:  # pairs of neighbours
+        x1, x2 = x[..., 0:dims:2], x[..., 1:dims:2]
+        pairs = [(x1 * cos - x2 * sin)[..., None], (x1 * sin + x2 * cos)[..., None]]
+        parts = [mx.concatenate(pairs, axis=-1).reshape(*x.shape[:-1], dims)]
+    else:  # the two halves
+        half = dims // 2
+        x1, x2 = x[..., :half], x[..., half:dims]
+        parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
+    if dims < x.shape[-1]:
+        parts.append(x[..., dims:])
+    return mx.concatenate(parts, axis=-1)
+
+
+def _table(module: Any, stock: Callable[[mx.array, Any], mx.array], key: tuple, lo: int,
+           hi: int, dtype: mx.Dtype) -> _Table | None:
+    table = _tables.get(key)
+    if table is not None and table.lo <= lo and hi <= table.hi:
+        return table
+    with _lock:
+        table = _tables.get(key)
+        if table is not None and table.lo <= lo and hi <= table.hi:
+            return table
+        # Room for the positions seen so far, doubled: a handful of builds per setting.
+        start = min(lo, table.lo if table is not None else 0, 0)
+        end = max(hi, table.hi if table is not None else 0)
+        rows = max(FIRST_ROWS, 1 << (end - start - 1).bit_length())
+        if rows * module.dims * dtype.size > MAX_TABLE_BYTES:
+            return None
+        table = _build(module, stock, start, rows, dtype)
+        _tables[key] = table
+        return table
+
+
+def _build(module: Any, stock: Callable[[mx.array, Any], mx.array], lo: int, rows: int,
+           dtype: mx.Dtype) -> _Table:
+    """cos and sin of `rows` positions from `lo`, as the stock op computes them: it turns
+    (1, 0) into (cos, sin) exactly."""
+    dims, half = module.dims, module.dims // 2
+    if module.traditional:
+        unit = mx.tile(mx.array([1, 0], dtype=dtype), (half,))
+    else:
+        unit = mx.concatenate([mx.ones((half,), dtype), mx.zeros((half,), dtype)])
+    out = stock(mx.broadcast_to(unit, (1, 1, rows, dims)), lo)[0, 0]
+    if module.traditional:
+        cos, sin = out[:, 0::2], out[:, 1::2]
+    else:
+        cos, sin = out[:, :half], out[:, half:]
+    cos, sin = mx.contiguous(cos), mx.contiguous(sin)
+    mx.eval(cos, sin)
+    return _Table(lo, cos, sin)
+
+
+def clear() -> None:
+    """Drops every table (tests)."""
+    with _lock:
+        _tables.clear()
