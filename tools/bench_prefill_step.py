@@ -1,0 +1,84 @@
+"""One prefill chunk in process, one change on and off, alternating on the same model in
+the same process (ABBA): `--compare rope-table` (default), a chunk's RoPE from a table
+(engine/rope_table.py) against `mx.fast.rope`; `--compare numpy-threads`, the chunk's
+NumPy softmax and SwiGLU (engine/fast_prefill.py) in parts on the decode kernels'
+threads against one thread.
+
+    python -m tools.bench_prefill_step --models small-fp32,medium-fp32,small --tokens 255
+    python -m tools.bench_prefill_step --compare numpy-threads --rounds 24
+
+The model is loaded as the server loads it (the optimized BLAS first, the fast prefill
+and the compiled decode ops installed); a chunk is `model(tokens, cache)` on a fresh
+cache, then its cache evaluated, as mlx-lm prefills. Per model: the median time of each
+side, their ratio, and whether the caches were equal bit for bit."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from engine import blas
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="small-fp32,medium-fp32,small",
+                   help="demo sizes, SIZE-VARIANT for a variant (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=255, help="prompt tokens in the chunk")
+    p.add_argument("--rounds", type=int, default=8, help="rounds per side, alternating")
+    p.add_argument("--compare", choices=("rope-table", "numpy-threads"), default="rope-table")
+    args = p.parse_args(argv)
+    print(f"BLAS: {blas.preload().description}", flush=True)
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine import compiled_decode, fast_prefill, rope_table
+    from engine.demo_models import ensure_demo_model, ensure_demo_variant
+    from engine.loading import load_model
+
+    if args.compare == "rope-table":
+        target, name, off = rope_table, "rotate", lambda *a: None
+    else:
+        target, name, off = fast_prefill, "_in_parts", lambda count, run: run(0, count)
+    on_fn = getattr(target, name)
+    print("| model | tokens | off (ms) | on (ms) | off / on | caches equal |")
+    print("|---|---:|---:|---:|---:|---|")
+    for model_name in args.models.split(","):
+        size, _, variant = model_name.partition("-")
+        path = ensure_demo_variant(size, variant) if variant else ensure_demo_model(size)
+        model = load_model(str(path)).model
+        plan = fast_prefill.install(model)
+        plan.bind_thread()
+        compiled_decode.install(model)
+        tokens = mx.array([[5 + i % 4000 for i in range(args.tokens)]])
+
+        def chunk(model=model, tokens=tokens) -> tuple[float, list]:
+            cache = make_prompt_cache(model)
+            t0 = time.perf_counter()
+            model(tokens, cache=cache)
+            mx.eval([c.state for c in cache])
+            return time.perf_counter() - t0, [s for c in cache for s in c.state]
+
+        times: dict[bool, list[float]] = {True: [], False: []}
+        states: dict[bool, list] = {}
+        try:
+            for r in range(2 * args.rounds):
+                on = (r % 4) in (0, 3)
+                setattr(target, name, on_fn if on else off)
+                chunk()  # warm: tables, threads, buffers
+                took, states[on] = chunk()
+                times[on].append(took * 1e3)
+        finally:
+            setattr(target, name, on_fn)
+            fast_prefill.uninstall(plan)
+        a, b = statistics.median(times[False]), statistics.median(times[True])
+        equal = all(mx.array_equal(x, y).item()
+                    for x, y in zip(states[True], states[False], strict=True))
+        print(f"| {model_name} | {args.tokens} | {a:.1f} | {b:.1f} | {a / b:.3f} | "
+              f"{'yes' if equal else 'NO'} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
