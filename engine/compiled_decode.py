@@ -12,9 +12,10 @@ bit (tests/integration/test_compiled_decode.py).
 Only decode-sized calls take it (one token per sequence, `decode_sized`): a prefill
 chunk's cost is arithmetic, and every chunk length would need a trace of its own. A
 prefill chunk's RoPE takes its cosines and sines from a table instead
-(engine/rope_table.py, the same bits); its norms stay stock. The position goes in as an array, so one trace serves
-every offset (an int offset would be a constant of the trace), and the functions are
-shared by every layer with the same settings, weights passed in.
+(engine/rope_table.py, the same bits); its norms stay stock. The position goes in as an
+array, so one trace serves every offset (an int offset would be a constant of the
+trace), and the functions are shared by every layer with the same settings, weights
+passed in.
 
 What is compiled: `nn.RMSNorm`, `nn.RoPE` and mlx-lm's `Llama3RoPE` (frequencies passed
 in); other RoPE variants (scaled, dynamic) and model-specific norms stay stock. The
@@ -109,8 +110,7 @@ class _CompiledRoPE(nn.RoPE):
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         if not decode_sized(x):
             key = ("rope", self.dims, self.traditional, self.base, self.scale)
-            out = rope_table.rotate(self, x, offset, super().__call__, key)
-            return super().__call__(x, offset) if out is None else out
+            return rope_table.rotate(self, x, offset, super().__call__, key)
         fn = _rope_fn(self.dims, self.traditional, self.base, self.scale, False)
         return fn(x, _offset_array(offset))
 
@@ -119,8 +119,7 @@ class _CompiledLlama3RoPE(rope_utils.Llama3RoPE):
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
         if not decode_sized(x):
             key = ("llama3", self.dims, self.traditional, bytes(memoryview(self._freqs)))
-            out = rope_table.rotate(self, x, offset, super().__call__, key)
-            return super().__call__(x, offset) if out is None else out
+            return rope_table.rotate(self, x, offset, super().__call__, key)
         fn = _rope_fn(self.dims, self.traditional, None, 1.0, True)
         return fn(x, _offset_array(offset), self._freqs)
 

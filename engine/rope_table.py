@@ -43,12 +43,12 @@ _lock = threading.Lock()  # engines of different models may build a table at onc
 
 
 def rotate(module: Any, x: mx.array, offset: Any, stock: Callable[[mx.array, Any], mx.array],
-           key: tuple) -> mx.array | None:
+           key: tuple) -> mx.array:
     """`stock(x, offset)` (the module's `mx.fast.rope`) for a (batch, heads, tokens, dim)
-    chunk, from the table of the setting `key`; None where the table does not serve (then
-    the caller runs the stock op)."""
+    chunk, from the table of the setting `key`; the stock op itself where no table
+    serves (another shape, an offset of another kind, positions past the bound)."""
     if x.ndim != 4 or x.shape[-2] < 2 or module.dims % 2 or module.dims > x.shape[-1]:
-        return None
+        return stock(x, offset)
     tokens = x.shape[-2]
     if isinstance(offset, int):
         lo, hi = offset, offset + tokens
@@ -56,10 +56,10 @@ def rotate(module: Any, x: mx.array, offset: Any, stock: Callable[[mx.array, Any
         # A batch's offsets (mlx-lm's BatchKVCache: negative under left padding).
         lo, hi = int(mx.min(offset).item()), int(mx.max(offset).item()) + tokens
     else:
-        return None
+        return stock(x, offset)
     table = _table(module, stock, (*key, x.dtype), lo, hi, x.dtype)
     if table is None:
-        return None
+        return stock(x, offset)
     if isinstance(offset, int):
         cos = table.cos[lo - table.lo:hi - table.lo]
         sin = table.sin[lo - table.lo:hi - table.lo]

@@ -38,9 +38,15 @@ def main(argv: list[str] | None = None) -> int:
     from engine.loading import load_model
 
     if args.compare == "rope-table":
-        target, name, off = rope_table, "rotate", lambda *a: None
+        target, name = rope_table, "rotate"
+
+        def off(module, x, offset, stock, key):
+            return stock(x, offset)
     else:
-        target, name, off = fast_prefill, "_in_parts", lambda count, run: run(0, count)
+        target, name = fast_prefill, "_in_parts"
+
+        def off(count, run):
+            return run(0, count)
     on_fn = getattr(target, name)
     print("| model | tokens | off (ms) | on (ms) | off / on | caches equal |")
     print("|---|---:|---:|---:|---:|---|")
