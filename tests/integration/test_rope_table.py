@@ -16,7 +16,10 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(autouse=True)
-def fresh_tables():
+def fresh_tables(monkeypatch):
+    """Every chunk takes the table unless a test says otherwise (the threshold is its own
+    test), and no table outlives a test."""
+    monkeypatch.setattr(rope_table, "MIN_ANGLES", 0)
     rope_table.clear()
     yield
     rope_table.clear()
@@ -61,7 +64,7 @@ def test_int_offsets_match_the_stock_op(make, dtype):
 def test_a_batchs_offsets_match_the_stock_op(make):
     """mlx-lm's batch cache: an offset per sequence, negative under left padding."""
     module = _compiled(make())
-    for offsets in ([0, -3, -40], [17, 100, 2], [-5]):
+    for offsets in ([0, -3, -40], [17, 100, 2], [-5], [9, 9, 9]):
         off = mx.array(offsets)
         x = mx.random.normal((len(offsets), 50, 4, 64)).transpose(0, 2, 1, 3)
         assert mx.array_equal(module(x, offset=off), _stock(module, x, off)).item(), offsets
@@ -75,6 +78,17 @@ def test_decode_calls_and_other_shapes_leave_the_table_alone():
     x3 = mx.random.normal((4, 20, 64))  # not (batch, heads, tokens, dim): stock
     assert mx.array_equal(module(x3, offset=2), _stock(module, x3, 2)).item()
     assert not rope_table._tables
+
+
+def test_short_chunks_keep_the_stock_op(monkeypatch):
+    monkeypatch.setattr(rope_table, "MIN_ANGLES", 2048)
+    module = _compiled(nn.RoPE(64))  # 32 angles a token
+    short = mx.random.normal((1, 4, 63, 64))
+    assert mx.array_equal(module(short, offset=5), _stock(module, short, 5)).item()
+    assert not rope_table._tables
+    long = mx.random.normal((1, 4, 64, 64))
+    assert mx.array_equal(module(long, offset=5), _stock(module, long, 5)).item()
+    assert rope_table._tables
 
 
 def test_positions_past_the_table_bound_take_the_stock_op(monkeypatch):
