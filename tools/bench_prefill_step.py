@@ -9,8 +9,10 @@ threads against one thread.
 
 The model is loaded as the server loads it (the optimized BLAS first, the fast prefill
 and the compiled decode ops installed); a chunk is `model(tokens, cache)` on a fresh
-cache, then its cache evaluated, as mlx-lm prefills. Per model: the median time of each
-side, their ratio, and whether the caches were equal bit for bit."""
+batch cache (one prompt's cache merged as mlx-lm's BatchGenerator merges it: an offset
+array, as the server's engine has), then its cache evaluated, as mlx-lm prefills. Per
+model: the median time of each side, their ratio, and whether the caches were equal bit
+for bit."""
 
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = mx.array([[5 + i % 4000 for i in range(args.tokens)]])
 
         def chunk(model=model, tokens=tokens) -> tuple[float, list]:
-            cache = make_prompt_cache(model)
+            cache = [c.merge([c]) for c in make_prompt_cache(model)]
             t0 = time.perf_counter()
             model(tokens, cache=cache)
             mx.eval([c.state for c in cache])
