@@ -4,15 +4,16 @@ MLX's CPU backend has no RoPE kernel: `mx.fast.rope` computes every position's a
 their cosines and their sines on each call, one value at a time, and on a prefill chunk
 that is most of its cost (a 255-token chunk of the small demo model: ~0.6-0.75 ms a call,
 two calls a block). The angles depend only on the position and the module's settings,
-so a table per setting holds them for a range of positions and a chunk takes its rows.
+so a table per setting holds them for the chunk's positions, built by the chunk's
+first RoPE call and read by every other layer's.
 
 The table is made by the stock op itself, on an input whose rotated halves are 1 and 0
 (its output there is the cosine and the sine MLX would use), and a chunk is rotated with
 the stock op's own products and sums in the same order: the result is `mx.fast.rope`'s
-bit for bit (tests/integration/test_rope_table.py). Tables are shared by every layer with
-the same settings and dtype, grow by doubling as positions need, and stop at
-`MAX_TABLE_BYTES` (past that, the stock op): a few hundred KiB on the demo models. Short
-chunks (`MIN_ANGLES`) keep the stock op.
+bit for bit (tests/integration/test_rope_table.py). A table is shared by every layer with
+the same settings and dtype and replaced when a chunk needs other positions; it holds one
+chunk's rows (at most `MAX_TABLE_BYTES`, past that the stock op): 64 KiB for a 512-token
+chunk of the demo models. Short chunks (`MIN_ANGLES`) keep the stock op.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from typing import Any
 import mlx.core as mx
 
 MAX_TABLE_BYTES = 16 << 20  # cosines and sines together, per setting
-FIRST_ROWS = 1024
 # Angles per sequence (tokens x dims / 2) from which a chunk takes the table: below it the
 # stock op's trigonometry costs less than the table's few extra operations (measured
 # through mlx-lm's BatchGenerator: the tiny demo model's 48-token prompt 0.97x with the
@@ -105,13 +105,14 @@ def _table(module: Any, stock: Callable[[mx.array, Any], mx.array], key: tuple, 
         table = _tables.get(key)
         if table is not None and table.lo <= lo and hi <= table.hi:
             return table
-        # Room for the positions seen so far, doubled: a handful of builds per setting.
-        start = min(lo, table.lo if table is not None else 0, 0)
-        end = max(hi, table.hi if table is not None else 0)
-        rows = max(FIRST_ROWS, 1 << (end - start - 1).bit_length())
+        # Exactly the positions this chunk needs: every layer of the chunk reads them
+        # (one build serves 2 x blocks calls), and what a build holds at once stays a
+        # chunk's worth (a table grown ahead for longer prompts was a transient of
+        # several MiB that admission does not count).
+        rows = hi - lo
         if rows * module.dims * dtype.size > MAX_TABLE_BYTES:
             return None
-        table = _build(module, stock, start, rows, dtype)
+        table = _build(module, stock, lo, rows, dtype)
         _tables[key] = table
         return table
 

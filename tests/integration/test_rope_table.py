@@ -55,9 +55,10 @@ def test_int_offsets_match_the_stock_op(make, dtype):
         got, want = module(x, offset=offset), _stock(module, x, offset)
         assert got.dtype == want.dtype and got.shape == want.shape
         assert mx.array_equal(got, want).item(), (tokens, offset)
-    # The table grew to cover position 5,001 and is shared by the setting.
+    # One table for the setting, holding the last chunk's positions only.
     assert len(rope_table._tables) == 1
-    assert next(iter(rope_table._tables.values())).hi >= 5002
+    table = next(iter(rope_table._tables.values()))
+    assert (table.lo, table.hi) == (5000, 5002)
 
 
 @pytest.mark.parametrize("make", SETTINGS[:2] + SETTINGS[4:])
@@ -91,11 +92,25 @@ def test_short_chunks_keep_the_stock_op(monkeypatch):
     assert rope_table._tables
 
 
-def test_positions_past_the_table_bound_take_the_stock_op(monkeypatch):
-    monkeypatch.setattr(rope_table, "MAX_TABLE_BYTES", 64 * 4 * 2048)
+def test_every_layer_of_a_chunk_reads_one_build(monkeypatch):
+    module = _compiled(nn.RoPE(64))
+    builds = []
+    build = rope_table._build
+    monkeypatch.setattr(rope_table, "_build", lambda *a: builds.append(a[2]) or build(*a))
+    x = mx.random.normal((1, 4, 100, 64))
+    for _ in range(6):  # a chunk's layers
+        module(x, offset=300)
+    module(x, offset=400)  # the next chunk
+    assert builds == [300, 400]
+
+
+def test_chunks_past_the_table_bound_take_the_stock_op(monkeypatch):
+    monkeypatch.setattr(rope_table, "MAX_TABLE_BYTES", 64 * 4 * 100)
     module = _compiled(nn.RoPE(64))
     x = mx.random.normal((1, 4, 100, 64))
     assert mx.array_equal(module(x, offset=100), _stock(module, x, 100)).item()
-    assert rope_table._tables  # 2,048 rows fit
-    assert mx.array_equal(module(x, offset=4000), _stock(module, x, 4000)).item()
-    assert next(iter(rope_table._tables.values())).hi <= 2048  # not grown past the bound
+    assert rope_table._tables  # 100 rows fit
+    rope_table.clear()
+    x = mx.random.normal((1, 4, 101, 64))
+    assert mx.array_equal(module(x, offset=100), _stock(module, x, 100)).item()
+    assert not rope_table._tables
