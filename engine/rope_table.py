@@ -12,7 +12,7 @@ The table is made by the stock op itself, on an input whose rotated halves are 1
 the stock op's own products and sums in the same order: the result is `mx.fast.rope`'s
 bit for bit (tests/integration/test_rope_table.py). A table is shared by every layer with
 the same settings and dtype and replaced when a chunk needs other positions; it holds one
-chunk's rows (at most `MAX_TABLE_BYTES`, past that the stock op): 64 KiB for a 512-token
+chunk's rows (at most `MAX_TABLE_BYTES`, past that the stock op): 64-128 KiB for a 512-token
 chunk of the demo models. Short chunks (`MIN_ANGLES`) keep the stock op.
 """
 
