@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.models import rope_utils
 
 from engine import compiled_decode, rope_table
+from engine.model_engine import EngineSettings, ModelEngine
+from tests.integration.test_fast_prefill import greedy
 
 pytestmark = pytest.mark.skipif(
     compiled_decode.environment_reason() is not None,
@@ -16,13 +20,45 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(autouse=True)
-def fresh_tables(monkeypatch):
-    """Every chunk takes the table unless a test says otherwise (the threshold is its own
-    test), and no table outlives a test."""
-    monkeypatch.setattr(rope_table, "MIN_ANGLES", 0)
+def fresh_tables():
     rope_table.clear()
     yield
     rope_table.clear()
+
+
+@pytest.fixture
+def every_chunk(monkeypatch):
+    """Every chunk takes the table (the threshold is a test of its own)."""
+    monkeypatch.setattr(rope_table, "MIN_ANGLES", 0)
+
+
+async def test_engines_with_the_table_decode_the_stock_tokens(demo_path, monkeypatch):
+    """Real engine threads, the defaults a user gets: prompts long enough for the table
+    (one alone, then three of different lengths at once: a left-padded batch) give the
+    tokens of an engine with the stock ops, and the table was built and read."""
+    loop = asyncio.get_running_loop()
+    # The half-precision decode kernel sums in another order: off on both, so that only
+    # the RoPE differs.
+    fast = ModelEngine("table", str(demo_path), loop, EngineSettings(fast_decode_kernel=False))
+    stock = ModelEngine("stock", str(demo_path), loop,
+                        EngineSettings(compiled_decode=False, fast_decode_kernel=False))
+    built, read = [], []
+    build, rotate = rope_table._build, rope_table.rotate
+    monkeypatch.setattr(rope_table, "_build", lambda *a: built.append(a[2]) or build(*a))
+    monkeypatch.setattr(rope_table, "rotate", lambda *a: read.append(1) or rotate(*a))
+    try:
+        await asyncio.gather(asyncio.wrap_future(fast.start()),
+                             asyncio.wrap_future(stock.start()))
+        prompts = [list(range(5 + i, 5 + i + n)) for i, n in enumerate((300, 200, 260))]
+        assert await greedy(fast, "f0", prompts[0]) == await greedy(stock, "s0", prompts[0])
+        got, want = await asyncio.gather(
+            asyncio.gather(*(greedy(fast, f"f{i}", p) for i, p in enumerate(prompts))),
+            asyncio.gather(*(greedy(stock, f"s{i}", p) for i, p in enumerate(prompts))))
+        assert got == want
+        assert built and len(read) > len(built)  # each build read by the other layers
+    finally:
+        await asyncio.gather(asyncio.wrap_future(fast.stop()),
+                             asyncio.wrap_future(stock.stop()))
 
 
 def _compiled(module: nn.Module) -> nn.Module:
@@ -47,6 +83,7 @@ SETTINGS = [
 
 @pytest.mark.parametrize("make", SETTINGS)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.usefixtures("every_chunk")
 def test_int_offsets_match_the_stock_op(make, dtype):
     module = _compiled(make())
     for tokens, offset in [(255, 0), (7, 3), (128, 1000), (300, 2900), (2, 5000)]:
@@ -62,6 +99,7 @@ def test_int_offsets_match_the_stock_op(make, dtype):
 
 
 @pytest.mark.parametrize("make", SETTINGS[:2] + SETTINGS[4:])
+@pytest.mark.usefixtures("every_chunk")
 def test_a_batchs_offsets_match_the_stock_op(make):
     """mlx-lm's batch cache: an offset per sequence, negative under left padding."""
     module = _compiled(make())
@@ -71,6 +109,7 @@ def test_a_batchs_offsets_match_the_stock_op(make):
         assert mx.array_equal(module(x, offset=off), _stock(module, x, off)).item(), offsets
 
 
+@pytest.mark.usefixtures("every_chunk")
 def test_decode_calls_and_other_shapes_leave_the_table_alone():
     module = _compiled(nn.RoPE(64))
     x = mx.random.normal((3, 4, 1, 64))  # one token per sequence: the compiled op
@@ -92,6 +131,7 @@ def test_short_chunks_keep_the_stock_op(monkeypatch):
     assert rope_table._tables
 
 
+@pytest.mark.usefixtures("every_chunk")
 def test_every_layer_of_a_chunk_reads_one_build(monkeypatch):
     module = _compiled(nn.RoPE(64))
     builds = []
@@ -104,6 +144,7 @@ def test_every_layer_of_a_chunk_reads_one_build(monkeypatch):
     assert builds == [300, 400]
 
 
+@pytest.mark.usefixtures("every_chunk")
 def test_chunks_past_the_table_bound_take_the_stock_op(monkeypatch):
     monkeypatch.setattr(rope_table, "MAX_TABLE_BYTES", 64 * 4 * 100)
     module = _compiled(nn.RoPE(64))
