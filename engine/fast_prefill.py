@@ -19,6 +19,9 @@ converts ONE LAYER AT A TIME into float32:
 - the MLP's SwiGLU of a prefill chunk runs in NumPy: MLX's half-precision result bit for
   bit, from a table of silu over all 65,536 values that the stock kernel fills once.
 
+These NumPy passes run in parts of independent rows on as many threads as the decode
+kernels use (`_in_parts`): between MLX's evaluations the other cores are idle.
+
 What stays on MLX's kernels: RMSNorm and RoPE (elementwise, a small part of a prefill).
 
 A float32 model's products already run through BLAS, so none of its layers is wrapped;
@@ -88,6 +91,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -384,6 +388,34 @@ _BLOCK_ELEMENTS = 1 << 16
 # Queries per block of a causal chunk's attention (`_attention_f32`).
 CAUSAL_ROWS = 256
 
+# The NumPy passes (softmax, SwiGLU) run between MLX's evaluations, when the BLAS and MLX
+# threads are idle: they are split over the threads the decode kernels use (NumPy
+# releases the GIL in its loops), in contiguous parts of independent rows.
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _in_parts(count: int, run: Callable[[int, int], None]) -> None:
+    """`run(start, stop)` over [0, count), one contiguous part per thread, this thread
+    taking the first; returns when every part is done."""
+    global _pool
+    n = min(blas.kernel_threads(), count)
+    if n <= 1:
+        run(0, count)
+        return
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(blas.KERNEL_MAX_THREADS - 1,
+                                       thread_name_prefix="plimsoll-numpy")
+        pool = _pool
+    cuts = [count * i // n for i in range(n + 1)]
+    rest = [pool.submit(run, a, b) for a, b in zip(cuts[1:-1], cuts[2:], strict=True)]
+    try:
+        run(cuts[0], cuts[1])
+    finally:
+        for f in rest:
+            f.result()
+
 
 def _round_half(a: np.ndarray, dtype: mx.Dtype, tmp: np.ndarray) -> None:
     """Rounds a contiguous float32 array, in place, to the nearest `dtype` (bf16/fp16)
@@ -477,15 +509,17 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, mask: Any, half: mx.Dtype,
         additive = m.dtype != np.bool_
         hidden = m.astype(np.float32, copy=False) if additive else ~m
     rows = max(1, _BLOCK_ELEMENTS // s_len)
-    tmp = np.empty(rows * s_len, dtype=np.uint32)
-    for bi in range(b):
-        mrows = None if hidden is None else hidden[bi if hidden.shape[0] > 1 else 0]
-        for g in range(kv):
-            for r in range(rep):
-                block = s[bi, g, r]
-                for i in range(0, n, rows):
-                    _softmax_block(block[i:i + rows], None if mrows is None
-                                   else mrows[i:i + rows], additive, half, tmp)
+    blocks = [(bi, g, r, i) for bi in range(b) for g in range(kv) for r in range(rep)
+              for i in range(0, n, rows)]
+
+    def softmax(start: int, stop: int) -> None:
+        tmp = np.empty(rows * s_len, dtype=np.uint32)
+        for bi, g, r, i in blocks[start:stop]:
+            mrows = None if hidden is None else hidden[bi if hidden.shape[0] > 1 else 0]
+            _softmax_block(s[bi, g, r, i:i + rows], None if mrows is None
+                           else mrows[i:i + rows], additive, half, tmp)
+
+    _in_parts(len(blocks), softmax)
     return (scores @ v).reshape(b, h, n, d)
 
 
@@ -583,15 +617,19 @@ def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
     u = np.asarray(x).reshape(-1, width)
     out = np.empty_like(g)
     rows = max(1, _BLOCK_ELEMENTS // width)
-    with np.errstate(over="ignore"):  # exp(-g) = inf for g < -88: sigmoid 0, as MLX's
-        for i in range(0, g.shape[0], rows):
-            t, gb = out[i:i + rows], g[i:i + rows]
-            np.negative(gb, out=t)
-            np.exp(t, out=t)
-            t += 1
-            np.reciprocal(t, out=t)  # sigmoid(g)
-            t *= gb
-            t *= u[i:i + rows]
+
+    def swiglu(start: int, stop: int) -> None:
+        with np.errstate(over="ignore"):  # exp(-g) = inf for g < -88: sigmoid 0, as MLX's
+            for i in range(start * rows, min(stop * rows, g.shape[0]), rows):
+                t, gb = out[i:i + rows], g[i:i + rows]
+                np.negative(gb, out=t)
+                np.exp(t, out=t)
+                t += 1
+                np.reciprocal(t, out=t)  # sigmoid(g)
+                t *= gb
+                t *= u[i:i + rows]
+
+    _in_parts(-(-g.shape[0] // rows), swiglu)
     return mx.array(out.reshape(gate.shape))
 
 
@@ -620,8 +658,13 @@ def _half_swiglu(gate: mx.array, x: mx.array) -> mx.array:
     u = np.asarray(x.view(mx.uint16)).reshape(-1)
     out = np.empty(g.size, np.uint16)
     block = min(g.size, _BLOCK_ELEMENTS)
-    with np.errstate(over="ignore", invalid="ignore"):  # to inf or NaN, as MLX's
-        _half_products(table, g, u, out, block, gate.dtype)
+
+    def products(start: int, stop: int) -> None:
+        a, b = start * block, min(stop * block, g.size)
+        with np.errstate(over="ignore", invalid="ignore"):  # to inf or NaN, as MLX's
+            _half_products(table, g[a:b], u[a:b], out[a:b], block, gate.dtype)
+
+    _in_parts(-(-g.size // block), products)
     return mx.array(out.reshape(gate.shape)).view(gate.dtype)
 
 

@@ -1,9 +1,11 @@
 """One prefill chunk in process, one change on and off, alternating on the same model in
-the same process (ABBA): `--compare rope-table` (the one so far), a chunk's RoPE from a
-table (engine/rope_table.py) against `mx.fast.rope`.
+the same process (ABBA): `--compare rope-table` (default), a chunk's RoPE from a table
+(engine/rope_table.py) against `mx.fast.rope`; `--compare numpy-threads`, the chunk's
+NumPy softmax and SwiGLU (engine/fast_prefill.py) in parts on the decode kernels'
+threads against one thread.
 
     python -m tools.bench_prefill_step --models small-fp32,medium-fp32,small --tokens 255
-    python -m tools.bench_prefill_step --rounds 24
+    python -m tools.bench_prefill_step --compare numpy-threads --rounds 24
 
 The model is loaded as the server loads it (the optimized BLAS first, the fast prefill
 and the compiled decode ops installed); a chunk is `model(tokens, cache)` on a fresh
@@ -27,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="demo sizes, SIZE-VARIANT for a variant (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=255, help="prompt tokens in the chunk")
     p.add_argument("--rounds", type=int, default=8, help="rounds per side, alternating")
-    p.add_argument("--compare", choices=("rope-table",), default="rope-table")
+    p.add_argument("--compare", choices=("rope-table", "numpy-threads"), default="rope-table")
     args = p.parse_args(argv)
     print(f"BLAS: {blas.preload().description}", flush=True)
     import mlx.core as mx
@@ -37,10 +39,16 @@ def main(argv: list[str] | None = None) -> int:
     from engine.demo_models import ensure_demo_model, ensure_demo_variant
     from engine.loading import load_model
 
-    target, name = rope_table, "rotate"
+    if args.compare == "rope-table":
+        target, name = rope_table, "rotate"
 
-    def off(module, x, offset, stock, key):
-        return stock(x, offset)
+        def off(module, x, offset, stock, key):
+            return stock(x, offset)
+    else:
+        target, name = fast_prefill, "_in_parts"
+
+        def off(count, run):
+            return run(0, count)
     on_fn = getattr(target, name)
     print("| model | tokens | off (ms) | on (ms) | off / on | caches equal |")
     print("|---|---:|---:|---:|---:|---|")

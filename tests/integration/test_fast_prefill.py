@@ -8,6 +8,7 @@ where that cannot be loaded every test here is skipped, saying why.
 from __future__ import annotations
 
 import asyncio
+import threading
 import warnings
 
 import grpc
@@ -308,6 +309,44 @@ def test_half_precision_swiglu_is_mlx_s_bit_for_bit(half):
         before = plan.in_numpy
         fast_prefill._swiglu(short, short)
         assert plan.in_numpy == before
+    finally:
+        fast_prefill._thread.plan = None
+
+
+@pytest.mark.parametrize("half", [mx.float32, mx.bfloat16])
+def test_numpy_passes_split_over_threads_give_the_same_bits(half, monkeypatch):
+    """A chunk's softmax and SwiGLU run in parts on the decode kernels' thread count:
+    each row is one thread's, so any split gives the one-thread result bit for bit."""
+    plan = fast_prefill.FastPrefill(True, "test", dtype=str(half))
+    plan.bind_thread()
+    ran_on: list[str] = []
+    parts = fast_prefill._in_parts
+
+    def watched(count, run):
+        def part(a, b):
+            ran_on.append(threading.current_thread().name)
+            run(a, b)
+        parts(count, part)
+
+    monkeypatch.setattr(fast_prefill, "_in_parts", watched)
+    try:
+        mx.random.seed(11)
+        q = mx.random.normal((1, 4, 300, 16)) * 0.25
+        k, v = mx.random.normal((1, 2, 300, 16)), mx.random.normal((1, 2, 300, 16))
+        gate, x = (mx.random.normal((1, 700, 384)).astype(half) for _ in range(2))
+        results = {}
+        for threads in (1, 2, 3):
+            monkeypatch.setattr(fast_prefill.blas, "kernel_threads", lambda t=threads: t)
+            ran_on.clear()
+            results[threads] = (fast_prefill._attend(q, k, v, "causal", half, 0),
+                                fast_prefill._swiglu(gate, x))
+            # Each pass in `threads` parts, one on the caller, the others on the pool.
+            assert len(ran_on) == 2 * threads, ran_on
+            caller = threading.current_thread().name
+            assert ran_on.count(caller) == 2, ran_on
+        for threads in (2, 3):
+            for ours, one in zip(results[threads], results[1], strict=True):
+                assert mx.array_equal(ours, one).item()
     finally:
         fast_prefill._thread.plan = None
 
