@@ -163,6 +163,20 @@ class Executor:
             return EngineView(model_id=handle.model_id, state=EngineState.READY, pinned=True,
                               active_requests=None)
 
+    def _newest_sample(self) -> MlxFigures | None:
+        """MLX's pool is process-wide: the newest sample of any engine is the pool as it
+        stands (another engine's reclaim may have emptied it since this one sampled)."""
+        samples = []
+        for h in self._handles.values():
+            try:
+                sample = h.mlx_sample()
+            except Exception:
+                log.exception("engine %s MLX sample failed", h.model_id)
+                continue
+            if sample is not None:
+                samples.append(sample)
+        return max(samples, key=lambda s: s.at, default=None)
+
     def _handle(self, model_id: str) -> EngineHandle:
         handle = self._handles.get(model_id)
         if handle is None:
@@ -193,7 +207,7 @@ class Executor:
                 return Outcome(action, bytes_freed=self._clear_aux())
             case act.PressureReclaim(model_id=m, wait=wait):
                 handle = self._handle(m)
-                before = handle.mlx_sample()
+                before = self._newest_sample()
                 accepted = bool(handle.request_pressure_reclaim())
                 if not (wait and accepted):
                     return Outcome(action, accepted=accepted)

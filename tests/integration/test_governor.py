@@ -12,11 +12,12 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+import mlx.core as mx
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from engine.demo_models import ensure_demo_model
-from memory.actions import EvictModel, Outcome
+from memory.actions import REASON_ADMISSION_RECLAIM, EvictModel, Outcome, PressureReclaim
 from memory.config import MemoryConfig
 from memory.levels import PressureLevel, Tier
 from memory.plans.steps import Execute, Measure
@@ -348,6 +349,40 @@ async def test_a_pre_chunk_prefill_abort_is_typed_and_recorded(demo_path, export
     kinds = [label(control_pb2.EnforcerActionKind, m.action.kind) for m in events
              if m.WhichOneof("event") == "action"]
     assert kinds.count("prefill_abort") == 1
+
+
+async def test_engines_reclaiming_the_one_pool_report_it_freed_once(demo_path):
+    """MLX's buffer pool is process-wide. An admission reclaims it on every engine in
+    turn; each reports what its own reclaim took, so the pool is counted once: the
+    first takes it all, the second finds it empty."""
+    reader = ScriptedReader(readings(OK_GIB))
+    server = await start(demo_path, reader, models=2)
+    svc = server.service
+    try:
+        # The pool is the process's: buffers this thread frees land in it as an
+        # engine's would (the engines clear it after each prefill and when idle).
+        buffers = [mx.arange(1 << 18, dtype=mx.float32) + i for i in range(32)]  # 1 MiB each
+        mx.eval(buffers)
+        del buffers
+        handles = svc.engines.handles()
+        assert len(handles) == 2
+        # Both engines' latest samples show the whole pool.
+        pool = min([(await h.fresh_sample(10)).pool_bytes for h in handles])
+        assert pool >= 30 << 20
+        plan = (PressureReclaim(h.model_id, REASON_ADMISSION_RECLAIM, wait=True) for h in handles)
+
+        def reclaim_both():
+            yield Measure("test")
+            return (yield Execute(tuple(plan)))
+
+        outcomes = await svc.governor.run_plan(reclaim_both())
+        left = (await handles[0].fresh_sample(10)).pool_bytes
+    finally:
+        await server.drain()
+    freed = [o.bytes_freed for o in outcomes]
+    assert left < pool // 10
+    assert freed[0] >= 0.9 * pool, (freed, pool)
+    assert sum(freed) <= pool, f"the pool ({pool} bytes) was reported freed as {freed}"
 
 
 async def test_a_measurement_after_an_eviction_is_fresh(demo_path):
