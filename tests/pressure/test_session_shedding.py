@@ -9,7 +9,7 @@ that no model eviction or model-level abort muddles the picture: `tiny` (the def
    The two oldest become ACTIVE: `s1-pinned` (tiny, 4,000 tokens) through
    ControlService.Pin, and `s2-live` (small) by running a long second turn, restored
    from its snapshot, through the whole probe phase. Three idle small sessions
-   (3,000 tokens, ~23 MiB each) follow, oldest first: plain LRU would take the active
+   (3,000 tokens, ~24 MiB each) follow, oldest first: plain LRU would take the active
    ones first, so only the protection of active sessions keeps them.
 2. Tighten the cgroup: the limit is set so that the container term of the ceiling
    (limit - 64 MiB; the custom tier's 8 GiB is far above) puts the soft mark
