@@ -92,6 +92,10 @@ SKINNY_MIN_MACS = 1 << 16
 KERNEL_THREADS_ENV = "PLIMSOLL_KERNEL_THREADS"
 KERNEL_PARALLEL_MIN_BYTES = 1 << 20
 KERNEL_MAX_THREADS = 8  # engine/cblas_shim.c: MAX_HELPERS + 1
+# The decode kernels' instruction set: the best the CPU has, or at most the one this names
+# (benchmarks compare them; a CPU that slows down under AVX-512 can be kept on AVX2).
+KERNEL_ISA_ENV = "PLIMSOLL_KERNEL_ISA"
+KERNEL_ISAS = ("portable", "avx2", "avx512")  # engine/cblas_shim.c's 0, 1, 2
 FLAG = "--no-optimized-blas"
 OFF_VALUES = frozenset({"reference", "off", "0", "false", "no", "none"})
 AUTO_VALUES = frozenset({"", "auto", "1", "on", "true", "yes"})
@@ -362,6 +366,7 @@ def _load_openblas(path: str, reason: str) -> BlasState:
     # Now global (the same handle, promoted), so libmlx.so's cblas_sgemm binds to it.
     ctypes.CDLL(str(shim_path), mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD)
     _handles.extend((lib, shim))
+    limit_kernel_isa(kernel_isa_limit())
     skinny = set_skinny_rows(skinny_rows())  # its helper threads start in `preload`
     get_config = getattr(lib, OPENBLAS_PREFIX + "openblas_get_config", None)
     config: list[str] = []
@@ -548,14 +553,32 @@ def half_registered() -> int:
     return int(fn()) if fn is not None else 0
 
 
-def half_kernel_isa() -> str | None:
-    """Which half-precision kernel the shim runs on this CPU ("avx2" or "portable"), or
-    None without the shim."""
-    for lib in _handles:
-        fn = getattr(lib, "plimsoll_half_isa", None)
-        if fn is not None:
-            return "avx2" if fn() else "portable"
-    return None
+def half_kernel_isa(quantized: bool = False) -> str | None:
+    """Which decode kernel the shim runs on this CPU ("avx512", "avx2" or "portable") for
+    half-precision weights, or for quantized ones (AVX2 at most), or None without the
+    shim."""
+    fn = _shim_function("plimsoll_half_isa", [], ctypes.c_int)
+    if fn is None:
+        return None
+    isa = fn()
+    return KERNEL_ISAS[min(isa, 1) if quantized else isa]
+
+
+def limit_kernel_isa(most: str) -> str | None:
+    """Runs the decode kernels on at most `most` (one of KERNEL_ISAS) from now on; the
+    one now in use, None without the shim."""
+    fn = _shim_function("plimsoll_half_limit_isa", [ctypes.c_int], ctypes.c_int)
+    return KERNEL_ISAS[fn(KERNEL_ISAS.index(most))] if fn is not None else None
+
+
+def kernel_isa_limit() -> str:
+    """$PLIMSOLL_KERNEL_ISA (portable, avx2 or avx512; a value it is not is logged and
+    ignored), else the best: "avx512"."""
+    raw = os.environ.get(KERNEL_ISA_ENV, "").strip().lower()
+    if raw and raw not in KERNEL_ISAS:
+        log.warning("%s=%r is not one of %s; the best the CPU has is used", KERNEL_ISA_ENV,
+                    raw, ", ".join(KERNEL_ISAS))
+    return raw if raw in KERNEL_ISAS else KERNEL_ISAS[-1]
 
 
 def build_shim() -> Path:

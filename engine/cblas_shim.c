@@ -133,6 +133,16 @@ typedef float v8f __attribute__((vector_size(32), aligned(4)));
 typedef unsigned short v8u16 __attribute__((vector_size(16), aligned(2)));
 typedef short v8i16 __attribute__((vector_size(16), aligned(2)));
 typedef unsigned int v8u32 __attribute__((vector_size(32)));
+/* AVX-512's 16 lanes: a wide accumulator is two 8-lane ones side by side. */
+typedef float v16f __attribute__((vector_size(64), aligned(4)));
+typedef unsigned short v16u16 __attribute__((vector_size(32), aligned(2)));
+typedef unsigned int v16u32 __attribute__((vector_size(64)));
+typedef short v16i16 __attribute__((vector_size(32), aligned(2)));
+typedef int v16i32 __attribute__((vector_size(64)));
+union v16_halves {
+  v16f w;
+  v8f part[2];
+};
 
 /* HALF_F32: a float32 weight through the same kernel (a skinny product, below). */
 enum { HALF_BF16 = 0, HALF_F16 = 1, HALF_F32 = 2, HALF_ROWS = 32 };
@@ -163,43 +173,57 @@ static float bf16_to_float(unsigned short h) {
   return v.f;
 }
 
-/* The body, once per instruction set (ATTR its target, WIDEN_F16(p) 8 float16 values as
- * v8f). A weight row at a time (one sequential stream from memory, which the prefetcher
- * follows best), against up to 4 rows of x at once: each 8 weights are widened once into
- * a register and multiplied into every x row's accumulators (float32, 8 lanes; A of them
- * per row, 8 * A values apart, so that 8 independent sums are in flight: 1 or 2 rows x 4,
- * 3 or 4 rows x 2). MB and A are constants where a block is called, so the accumulators
- * live in registers; x stays in L1. Lanes are added in a fixed order, then the scalar
- * tail. */
+/* The body, once per instruction set (ATTR its target; VF its vector of WL = 8 or 16
+ * float32 lanes; WIDE(kind, wr, at, WIDEN8) WL weights of a row as VF; WIDEN8##_BF16(p)
+ * and WIDEN8##_F16(p) 8 values as v8f). A weight row at a time (one sequential stream
+ * from memory, which the prefetcher follows best), against up to 4 rows of x at once:
+ * each WL weights are widened once into a register and multiplied into every x row's
+ * accumulators (float32, 8 lanes; A of them per row, 8 * A values apart, so that 8
+ * independent sums are in flight: 1 or 2 rows x 4, 3 or 4 rows x 2). With 16 lanes a
+ * vector holds two of those accumulators side by side, split apart before the tail:
+ * every sum is the AVX2 kernel's, bit for bit. MB and A are constants where a block is
+ * called, so the accumulators live in registers; x stays in L1. Lanes are added in a
+ * fixed order, then the scalar tail. */
 #define UNROLL _Pragma("GCC unroll 4")
-#define HALF_WIDEN(kind, p, WIDEN_F16)                                                      \
-  ((kind) == HALF_BF16 ? (v8f)(__builtin_convertvector(*(const v8u16 *)(p), v8u32) << 16)   \
-                       : WIDEN_F16(p))
+#define HALF_WIDEN(kind, p, WIDEN8)                                                         \
+  ((kind) == HALF_BF16 ? WIDEN8##_BF16(p) : WIDEN8##_F16(p))
 /* 8 weights from element `at` of a row (float32 ones as they are), and one. */
-#define W8(kind, wr, at, WIDEN_F16)                                                         \
+#define W8(kind, wr, at, WIDEN8)                                                            \
   ((kind) == HALF_F32 ? *(const v8f *)((const float *)(wr) + (at))                          \
-                      : HALF_WIDEN(kind, (const unsigned short *)(wr) + (at), WIDEN_F16))
+                      : HALF_WIDEN(kind, (const unsigned short *)(wr) + (at), WIDEN8))
 #define W1(kind, wr, at)                                                                    \
   ((kind) == HALF_F32   ? ((const float *)(wr))[at]                                         \
    : (kind) == HALF_BF16 ? bf16_to_float(((const unsigned short *)(wr))[at])                \
                          : half_to_float(((const unsigned short *)(wr))[at]))
-#define HALF_FUNCS(SUFFIX, ATTR, WIDEN_F16)                                                 \
+/* 16 weights (AVX-512 only), and the 8-lane halves of a 16-lane vector. */
+#define W16(kind, wr, at, WIDEN8)                                                           \
+  ((kind) == HALF_F32 ? *(const v16f *)((const float *)(wr) + (at))                         \
+   : (kind) == HALF_BF16 ? AVX512_16_BF16((const unsigned short *)(wr) + (at))              \
+                         : AVX512_16_F16((const unsigned short *)(wr) + (at)))
+#define HALF8(v, n) (v)
+#define HALF16(v, n) (((union v16_halves){.w = (v)}).part[n])
+#define HALF_FUNCS(SUFFIX, ATTR, VF, WL, WIDE, HALF, WIDEN8)                                \
   ATTR static inline __attribute__((always_inline)) void block_##SUFFIX(                    \
       const int kind, const int MB, const int A, int k, const float *x, i64 ldx,            \
       const void *wr, float *y, i64 ldy) {                                                  \
-    v8f acc[4][4];                                                                          \
+    const int P = (WL) / 8, AW = A / P; /* 8-lane accumulators per vector; vectors */      \
+    VF wide[4][4];                                                                          \
     UNROLL for (int i = 0; i < MB; i++)                                                     \
-      UNROLL for (int a = 0; a < A; a++) acc[i][a] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};         \
+      UNROLL for (int a = 0; a < AW; a++) wide[i][a] = (VF){0};                             \
     int ks = k / (8 * A) * (8 * A), kv = k & ~7;                                            \
     for (int t = 0; t < ks; t += 8 * A) {                                                   \
-      UNROLL for (int a = 0; a < A; a++) {                                                  \
-        v8f wv = W8(kind, wr, t + 8 * a, WIDEN_F16);                                        \
+      UNROLL for (int a = 0; a < AW; a++) {                                                 \
+        VF wv = WIDE(kind, wr, t + (WL) * a, WIDEN8);                                       \
         UNROLL for (int i = 0; i < MB; i++)                                                 \
-          acc[i][a] += wv * *(const v8f *)(x + i * ldx + t + 8 * a);                        \
+          wide[i][a] += wv * *(const VF *)(x + i * ldx + t + (WL) * a);                     \
       }                                                                                     \
     }                                                                                       \
+    v8f acc[4][4];                                                                          \
+    UNROLL for (int i = 0; i < MB; i++)                                                     \
+      UNROLL for (int a = 0; a < AW; a++)                                                   \
+        UNROLL for (int h = 0; h < P; h++) acc[i][a * P + h] = HALF(wide[i][a], h);         \
     for (int t = ks; t < kv; t += 8) {                                                      \
-      v8f wv = W8(kind, wr, t, WIDEN_F16);                                                  \
+      v8f wv = W8(kind, wr, t, WIDEN8);                                                     \
       UNROLL for (int i = 0; i < MB; i++) acc[i][0] += wv * *(const v8f *)(x + i * ldx + t);\
     }                                                                                       \
     UNROLL for (int i = 0; i < MB; i++) {                                                   \
@@ -240,27 +264,50 @@ static float bf16_to_float(unsigned short h) {
       rows_##SUFFIX(HALF_F32, m, k, x, ldx, w, ldw, y, ldy, j0, j1);                        \
   }
 
-/* Portable: float16 one value at a time. */
-#define F16_PORTABLE(p)                                                                     \
+/* Each instruction set's widening of 8 values (ISA_8_BF16, ISA_8_F16), and AVX-512's of 16.
+ * Portable: bfloat16 by a generic shift, float16 one value at a time. */
+#define PORTABLE_8_BF16(p) ((v8f)(__builtin_convertvector(*(const v8u16 *)(p), v8u32) << 16))
+#define PORTABLE_8_F16(p)                                                                   \
   ({                                                                                        \
     v8f v_;                                                                                 \
     for (int q = 0; q < 8; q++) v_[q] = half_to_float((p)[q]);                              \
     v_;                                                                                     \
   })
 
-HALF_FUNCS(portable, , F16_PORTABLE)
+HALF_FUNCS(portable, , v8f, 8, W8, HALF8, PORTABLE_8)
 
 #if defined(__x86_64__)
-/* AVX2 + FMA, float16 through F16C's vcvtph2ps (GCC's builtin, as older clang's; clang
- * 15 on lowers the conversion of a _Float16 vector to it). */
+/* AVX2 + FMA; AVX-512F, BW and VL. One instruction per widening: vpmovzxwd for bfloat16
+ * (GCC's builtin: its generic conversion splits into halves), F16C's vcvtph2ps for
+ * float16 (GCC's builtin, as older clang's; clang 15 on lowers the conversion of a
+ * _Float16 vector to it). */
+#if defined(__clang__)
+#define AVX2_8_BF16(p) PORTABLE_8_BF16(p)
+#define AVX512_16_BF16(p)                                                                   \
+  ((v16f)(__builtin_convertvector(*(const v16u16 *)(p), v16u32) << 16))
+#else
+#define AVX2_8_BF16(p) ((v8f)((v8u32)__builtin_ia32_pmovzxwd256(*(const v8i16 *)(p)) << 16))
+#define AVX512_16_BF16(p)                                                                   \
+  ((v16f)((v16u32)__builtin_ia32_pmovzxwd512_mask(*(const v16i16 *)(p), (v16i32){0},        \
+                                                  (unsigned short)0xffff) << 16))
+#endif
 #if defined(__clang__) && __clang_major__ >= 15
 typedef _Float16 v8f16 __attribute__((vector_size(16), aligned(2)));
-#define F16_TO_F32(p) __builtin_convertvector(*(const v8f16 *)(p), v8f)
+typedef _Float16 v16f16 __attribute__((vector_size(32), aligned(2)));
+#define AVX2_8_F16(p) __builtin_convertvector(*(const v8f16 *)(p), v8f)
+#define AVX512_16_F16(p) __builtin_convertvector(*(const v16f16 *)(p), v16f)
 #else
-#define F16_TO_F32(p) __builtin_ia32_vcvtph2ps256(*(const v8i16 *)(p))
+#define AVX2_8_F16(p) __builtin_ia32_vcvtph2ps256(*(const v8i16 *)(p))
+#define AVX512_16_F16(p)                                                                    \
+  __builtin_ia32_vcvtph2ps512_mask(*(const v16i16 *)(p), (v16f){0}, (unsigned short)0xffff, \
+                                   4 /* the current rounding */)
 #endif
+#define AVX512_8_BF16 AVX2_8_BF16
+#define AVX512_8_F16 AVX2_8_F16
 
-HALF_FUNCS(avx2, __attribute__((target("avx2,fma,f16c"))), F16_TO_F32)
+HALF_FUNCS(avx2, __attribute__((target("avx2,fma,f16c"))), v8f, 8, W8, HALF8, AVX2_8)
+HALF_FUNCS(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c"))), v16f,
+           16, W16, HALF16, AVX512_8)
 
 static void cpuid(unsigned leaf, unsigned sub, unsigned r[4]) {
   __asm__ volatile("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3])
@@ -283,29 +330,40 @@ static int have_avx2(void) {
   cpuid(7, 0, r);
   return (r[1] >> 5) & 1u;
 }
+
+/* AVX-512F as well, and its registers saved by the OS (opmask, both upper halves). */
+static int have_avx512(void) {
+  if (!have_avx2()) return 0;
+  unsigned r[4], lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & 0xe6u) != 0xe6u) return 0;
+  cpuid(7, 0, r);
+  return (r[1] >> 16) & 1u;
+}
 #endif
 
-static int half_isa = -1; /* 0 portable, 1 AVX2 */
+/* Which kernel runs here: 0 portable, 1 AVX2, 2 AVX-512 (the best the CPU has, or less
+ * where plimsoll_half_limit_isa said so). */
+static int half_isa = -1, half_isa_most = 2;
 
-/* Which kernel runs here: 0 portable, 1 AVX2 (tests and the log read it). */
 int plimsoll_half_isa(void) {
   if (half_isa < 0) {
 #if defined(__x86_64__)
-    half_isa = have_avx2();
+    int best = have_avx512() ? 2 : have_avx2();
 #else
-    half_isa = 0;
+    int best = 0;
 #endif
+    half_isa = best < half_isa_most ? best : half_isa_most;
   }
   return half_isa;
 }
 
-/* Runs the portable kernel even where AVX2 is there (tests compare both); returns the
- * kernel now in use. */
-int plimsoll_half_use_portable(int portable) {
+/* Runs at most the given kernel (0 portable, 1 AVX2, 2 AVX-512) from now on: tests
+ * compare them, and PLIMSOLL_KERNEL_ISA sets it at load. Returns the kernel now in use. */
+int plimsoll_half_limit_isa(int most) {
+  half_isa_most = most;
   half_isa = -1;
-  if (!portable) return plimsoll_half_isa();
-  half_isa = 0;
-  return 0;
+  return plimsoll_half_isa();
 }
 
 /* kind: HALF_BF16, HALF_F16 or HALF_F32; returns -1 for arguments it does not take. */
@@ -315,7 +373,16 @@ int plimsoll_half_gemv(int kind, int m, int k, const float *x, i64 ldx, const vo
       m > HALF_ROWS || k < 1 || j0 < 0 || j1 < j0)
     return -1;
 #if defined(__x86_64__)
-  if (plimsoll_half_isa()) {
+  /* A float32 weight stays on AVX2: MLX's buffers are not 64-byte aligned, and 64-byte
+   * loads of the weight that straddle cache lines ran slower than AVX2's in scratch
+   * timings, x aligned or not (1024x1024: 38-41 GB/s against 51-58); half-precision
+   * weights, read 32 bytes at a time, gained (bfloat16 1024x1024: 61 against 43). */
+  int isa = plimsoll_half_isa();
+  if (isa == 2 && kind != HALF_F32) {
+    half_gemv_avx512(kind, m, k, x, ldx, w, ldw, y, ldy, j0, j1);
+    return 0;
+  }
+  if (isa) {
     half_gemv_avx2(kind, m, k, x, ldx, w, ldw, y, ldy, j0, j1);
     return 0;
   }
@@ -444,6 +511,9 @@ int plimsoll_quant_gemv(int bits, int group, int skind, int m, int k, const floa
       j1 < j0 || lda < k + k / group)
     return -1;
 #if defined(__x86_64__)
+  /* AVX2 under AVX-512 too: a 16-lane build of this loop measured 1.1x on 4-bit weights
+   * here (a row's sums are a chain of dependent multiply-adds per group) and 5x slower
+   * on 8-bit ones. */
   if (plimsoll_half_isa()) {
     quant_gemv_avx2(bits, group, skind, m, k, a, lda, w, scales, biases, y, ldy, j0, j1);
     return 0;

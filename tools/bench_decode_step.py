@@ -5,11 +5,14 @@ decode kernels for half-precision and quantized layers (engine/shim_decode.py) a
 what the model decodes with otherwise (MLX's own product; for a quantized model the
 float32 quantized product where that was measured faster); `--compare skinny`, a float32
 model's products of a few rows through the shim's kernel (engine/cblas_shim.c, "a float32
-weight through the same kernel") against OpenBLAS, with the server's other decode paths on.
+weight through the same kernel") against OpenBLAS, with the server's other decode paths on;
+`--compare isa`, the decode kernels on AVX-512 against AVX2 (engine/blas.py
+`limit_kernel_isa`), with the server's decode paths on.
 
     python -m tools.bench_decode_step --models small-fp32,medium-fp32,small --batch 1,4
     python -m tools.bench_decode_step --compare kernel --models small,medium,small-4bit --batch 1,4
     python -m tools.bench_decode_step --compare skinny --models tiny,small-fp32,medium-fp32 --batch 1,4,8
+    python -m tools.bench_decode_step --compare isa --models small,medium,small-4bit --batch 1,4
 
 Per model and batch size: the median step time of each side over the rounds, their ratio,
 and whether every step's logits were equal bit for bit (for the kernel: the largest
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1,4", help="sequences decoded together")
     p.add_argument("--steps", type=int, default=32, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=6, help="rounds per side, alternating")
-    p.add_argument("--compare", choices=("compiled", "kernel", "skinny"), default="compiled")
+    p.add_argument("--compare", choices=("compiled", "kernel", "skinny", "isa"),
+                   default="compiled")
     args = p.parse_args(argv)
     print(f"BLAS: {blas.preload().description}", flush=True)
     import mlx.core as mx
@@ -68,9 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     from engine.demo_models import ensure_demo_model, ensure_demo_variant
     from engine.loading import load_model
 
-    kernel = args.compare in ("kernel", "skinny")
+    kernel = args.compare in ("kernel", "skinny", "isa")
+    if args.compare == "isa" and blas.limit_kernel_isa("avx512") != "avx512":
+        print("no AVX-512 decode kernel here (no shim, or a CPU without AVX-512)",
+              file=sys.stderr)
+        return 1
     if args.compare == "skinny":
         print("| model | batch | OpenBLAS step (ms) | skinny step (ms) | OpenBLAS / skinny | "
+              "max logprob difference | tokens equal |")
+        print("|---|---:|---:|---:|---:|---:|---|")
+    elif args.compare == "isa":
+        print("| model | batch | AVX2 step (ms) | AVX-512 step (ms) | AVX2 / AVX-512 | "
               "max logprob difference | tokens equal |")
         print("|---|---:|---:|---:|---:|---:|---|")
     elif kernel:
@@ -85,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         size, _, variant = name.partition("-")
         path = ensure_demo_variant(size, variant) if variant else ensure_demo_model(size)
         model = load_model(str(path)).model
-        if args.compare == "skinny":  # the server's decode paths, the same on both sides
+        if args.compare in ("skinny", "isa"):  # the server's decode paths, on both sides
             fast_prefill.install(model)
             compiled_decode.install(model)
         for batch in (int(b) for b in args.batch.split(",")):
@@ -100,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
                         print("no skinny kernel in this process (not the OpenBLAS shim, or "
                               "PLIMSOLL_BLAS_SKINNY_ROWS=0)", file=sys.stderr)
                         return 1
+                    plan, undo = None, _keep
+                elif args.compare == "isa":
+                    blas.limit_kernel_isa("avx512" if on else "avx2")
                     plan, undo = None, _keep
                 elif kernel:
                     plan = fast_prefill.install(model, decode_kernel=on)

@@ -37,7 +37,7 @@ needs_openblas = pytest.mark.skipif(not HAVE_OPENBLAS,
 # What this process chose must not leak into the children's choice.
 _OURS = ("PLIMSOLL_BLAS", "MKL_NUM_THREADS", "MKL_THREADING_LAYER", "MKL_INTERFACE_LAYER",
          "OPENBLAS_NUM_THREADS", "OPENBLAS_THREAD_TIMEOUT", "PLIMSOLL_BLAS_PARALLEL_MIN",
-         "PLIMSOLL_BLAS_GEMV_ROWS", "PLIMSOLL_BLAS_SKINNY_ROWS")
+         "PLIMSOLL_BLAS_GEMV_ROWS", "PLIMSOLL_BLAS_SKINNY_ROWS", "PLIMSOLL_KERNEL_ISA")
 
 
 def _env(**extra: str) -> dict[str, str]:

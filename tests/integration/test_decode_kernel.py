@@ -39,8 +39,16 @@ pytestmark = pytest.mark.skipif(
     reason="needs the CBLAS shim under MLX on a Linux CPU")
 
 
-def _shim() -> ctypes.CDLL:
-    return next(lib for lib in blas._handles if hasattr(lib, "plimsoll_half_use_portable"))
+@contextlib.contextmanager
+def _kernel_isa(isa: str):
+    """The decode kernels on `isa` inside the block (skipped where the CPU lacks it), the
+    best the CPU has again after it."""
+    try:
+        if blas.limit_kernel_isa(isa) != isa:
+            pytest.skip(f"this CPU has no {isa}")
+        yield
+    finally:
+        blas.limit_kernel_isa(blas.KERNEL_ISAS[-1])
 
 
 def _bits(w: np.ndarray, dtype: mx.Dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -49,17 +57,15 @@ def _bits(w: np.ndarray, dtype: mx.Dtype) -> tuple[np.ndarray, np.ndarray]:
     return np.array(h.view(mx.uint16)), np.array(h.astype(mx.float32)).astype(np.float64)
 
 
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("isa", blas.KERNEL_ISAS)
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-def test_the_kernel_matches_float64(portable, dtype):
+def test_the_kernel_matches_float64(isa, dtype):
     """Every row count up to 32, widths with and without a tail past the vector loop, a
     range of output columns, float16 subnormals among the weights."""
-    shim = _shim()
     kind = blas.HALF_BF16 if dtype == mx.bfloat16 else blas.HALF_F16
     kernel = blas.half_gemv()
     rng = np.random.default_rng(1)
-    try:
-        shim.plimsoll_half_use_portable(int(portable))
+    with _kernel_isa(isa):
         for n, k in ((40, 512), (33, 1000), (7, 31), (5, 1536)):
             w = rng.standard_normal((n, k)).astype(np.float32)
             if dtype == mx.float16:
@@ -89,24 +95,20 @@ def test_the_kernel_matches_float64(portable, dtype):
                       y.ctypes.data, 1, 0, 1) == -1  # more rows than one call takes
         assert kernel(7, 1, 8, x.ctypes.data, 8, bits.ctypes.data, 8,
                       y.ctypes.data, 1, 0, 1) == -1  # no such kind
-    finally:
-        shim.plimsoll_half_use_portable(0)
 
 
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("isa", blas.KERNEL_ISAS)
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-def test_every_half_precision_value_widens_exactly(portable, dtype):
+def test_every_half_precision_value_widens_exactly(isa, dtype):
     """All 65,536 bit patterns (subnormals, infinities, NaNs among them), once in the
     vector loop (column 0) and once in the scalar tail (column 32 of 33)."""
-    shim = _shim()
     kind = blas.HALF_BF16 if dtype == mx.bfloat16 else blas.HALF_F16
     patterns = np.arange(1 << 16, dtype=np.uint32)
     if dtype == mx.float16:
         want = patterns.astype(np.uint16).view(np.float16).astype(np.float32)
     else:
         want = (patterns << 16).view(np.float32)
-    try:
-        shim.plimsoll_half_use_portable(int(portable))
+    with _kernel_isa(isa):
         for column in (0, 32):
             bits = np.zeros((patterns.size, 33), dtype=np.uint16)
             bits[:, column] = patterns
@@ -118,20 +120,55 @@ def test_every_half_precision_value_widens_exactly(portable, dtype):
             nan = np.isnan(want)
             assert np.array_equal(np.isnan(y[0]), nan), column
             assert np.array_equal(y[0][~nan], want[~nan]), column
-    finally:
-        shim.plimsoll_half_use_portable(0)
 
 
-def test_avx2_runs_where_the_cpu_has_it():
+def test_the_best_kernel_the_cpu_has_runs():
     flags: set[str] = set()
     with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
         for line in cpuinfo:
             if line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
                 break
-    want = "avx2" if platform.machine() == "x86_64" and {"avx2", "fma", "f16c"} <= flags \
-        else "portable"
-    assert blas.half_kernel_isa() == want, sorted(flags & {"avx2", "fma", "f16c"})
+    x86 = platform.machine() == "x86_64"
+    want = "portable"
+    if x86 and {"avx2", "fma", "f16c"} <= flags:
+        want = "avx512" if {"avx512f", "avx512bw", "avx512vl"} <= flags else "avx2"
+    assert blas.half_kernel_isa() == want, sorted(flags & {"avx2", "fma", "f16c", "avx512f"})
+
+
+@pytest.mark.parametrize("kind", [blas.HALF_BF16, blas.HALF_F16, blas.HALF_F32])
+def test_avx512_sums_what_avx2_sums_bit_for_bit(kind):
+    """Its 16 lanes hold two of AVX2's 8-lane sums each: the same bits, for every row
+    count up to 32 and widths with tails past either loop (so that greedy output does
+    not depend on which of the two the CPU has)."""
+    if blas.limit_kernel_isa("avx512") != "avx512":
+        pytest.skip("this CPU has no AVX-512")
+    blas.limit_kernel_isa(blas.KERNEL_ISAS[-1])
+    rng = np.random.default_rng(7)
+    kernel = blas.half_gemv()
+    for n, k in ((40, 512), (33, 1000), (7, 31), (5, 1544), (3, 16), (6, 40)):
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        if kind != blas.HALF_F32:
+            w = np.array(mx.array(w).astype(mx.bfloat16 if kind == blas.HALF_BF16
+                                             else mx.float16).view(mx.uint16))
+        for m in (1, 2, 3, 4, 5, 8, 32):
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            out = {}
+            for isa in ("avx2", "avx512"):
+                y = np.full((m, n), np.nan, dtype=np.float32)
+                with _kernel_isa(isa):
+                    assert kernel(kind, m, k, x.ctypes.data, k, w.ctypes.data, k,
+                                  y.ctypes.data, n, 0, n) == 0
+                out[isa] = y
+            assert np.array_equal(out["avx2"], out["avx512"]), (n, k, m)
+
+
+def test_the_kernel_isa_follows_the_environment(monkeypatch, caplog):
+    for raw, want in (("avx2", "avx2"), (" Portable ", "portable"), ("", "avx512")):
+        monkeypatch.setenv(blas.KERNEL_ISA_ENV, raw)
+        assert blas.kernel_isa_limit() == want
+    monkeypatch.setenv(blas.KERNEL_ISA_ENV, "sse9")
+    assert blas.kernel_isa_limit() == "avx512" and blas.KERNEL_ISA_ENV in caplog.text
 
 
 @pytest.fixture(scope="module")
@@ -456,7 +493,7 @@ def test_a_forked_child_runs_large_products_on_its_own_thread():
     [shown] = shim_decode.show_layers([layer])
     view = shim_decode.shown_view(shown)
     (weight,) = shim_decode._own_buffer(view)
-    sgemm = _shim().cblas_sgemm
+    sgemm = next(lib for lib in blas._handles if hasattr(lib, "plimsoll_half_isa")).cblas_sgemm
     i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
     sgemm.argtypes = [i, i, i, i, i, i, f, p, i, p, i, f, p, i]
     sgemm.restype = None
@@ -646,14 +683,13 @@ def _quantized(n: int, k: int, bits: int, group: int, scales: mx.Dtype,
     return q
 
 
-@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("isa", blas.KERNEL_ISAS)
 @pytest.mark.parametrize(("bits", "group", "scales"),
                          [(4, 64, mx.bfloat16), (4, 32, mx.float16), (4, 128, mx.float32),
                           (8, 64, mx.bfloat16), (8, 32, mx.float16)])
-def test_the_quantized_kernel_matches_float64(portable, bits, group, scales):
+def test_the_quantized_kernel_matches_float64(isa, bits, group, scales):
     """scale * q + bias per group, exactly (unrounded), for row counts up to 32 and past
     them; float32 x so that the output is not rounded either."""
-    shim = _shim()
     n, k = 37, 4 * group
     q = _quantized(n, k, bits, group, scales)
     ints = mx.dequantize(q.weight, mx.ones_like(q.scales).astype(mx.float32),
@@ -661,8 +697,7 @@ def test_the_quantized_kernel_matches_float64(portable, bits, group, scales):
     s = np.repeat(np.asarray(q.scales.astype(mx.float32)), group, axis=1).astype(np.float64)
     b = np.repeat(np.asarray(q.biases.astype(mx.float32)), group, axis=1).astype(np.float64)
     w64 = s * np.asarray(ints).astype(np.float64) + b
-    try:
-        shim.plimsoll_half_use_portable(int(portable))
+    with _kernel_isa(isa):
         for rows in (1, 2, 3, 4, 5, 33):
             x = mx.random.normal((rows, 1, k), key=mx.random.key(rows))
             got = np.asarray(shim_decode.kernel_reference(q, x)).reshape(rows, n)
@@ -670,8 +705,6 @@ def test_the_quantized_kernel_matches_float64(portable, bits, group, scales):
             want = x64 @ w64.T
             scale = np.abs(x64) @ np.abs(w64).T
             assert np.all(np.abs(got - want) <= 1e-5 * scale), rows
-    finally:
-        shim.plimsoll_half_use_portable(0)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
