@@ -555,13 +555,10 @@ def half_registered() -> int:
 
 def half_kernel_isa(quantized: bool = False) -> str | None:
     """Which decode kernel the shim runs on this CPU ("avx512", "avx2" or "portable") for
-    half-precision weights, or for quantized ones (AVX2 at most), or None without the
-    shim."""
-    fn = _shim_function("plimsoll_half_isa", [], ctypes.c_int)
-    if fn is None:
-        return None
-    isa = fn()
-    return KERNEL_ISAS[min(isa, 1) if quantized else isa]
+    half-precision weights, or for quantized ones, or None without the shim."""
+    name = "plimsoll_quant_isa" if quantized else "plimsoll_half_isa"
+    fn = _shim_function(name, [], ctypes.c_int)
+    return KERNEL_ISAS[fn()] if fn is not None else None
 
 
 def limit_kernel_isa(most: str) -> str | None:

@@ -134,6 +134,9 @@ def test_the_best_kernel_the_cpu_has_runs():
     if x86 and {"avx2", "fma", "f16c"} <= flags:
         want = "avx512" if {"avx512f", "avx512bw", "avx512vl"} <= flags else "avx2"
     assert blas.half_kernel_isa() == want, sorted(flags & {"avx2", "fma", "f16c", "avx512f"})
+    # Quantized weights stay on AVX2 under AVX-512 (engine/cblas_shim.c says why).
+    assert blas.half_kernel_isa(quantized=True) == ("portable" if want == "portable"
+                                                   else "avx2")
 
 
 @pytest.mark.parametrize("kind", [blas.HALF_BF16, blas.HALF_F16, blas.HALF_F32])
