@@ -553,11 +553,10 @@ def half_registered() -> int:
     return int(fn()) if fn is not None else 0
 
 
-def half_kernel_isa(quantized: bool = False) -> str | None:
-    """Which decode kernel the shim runs on this CPU ("avx512", "avx2" or "portable") for
-    half-precision weights, or for quantized ones, or None without the shim."""
-    name = "plimsoll_quant_isa" if quantized else "plimsoll_half_isa"
-    fn = _shim_function(name, [], ctypes.c_int)
+def half_kernel_isa() -> str | None:
+    """Which decode kernels the shim runs on this CPU ("avx512", "avx2" or "portable";
+    float32 weights stay on AVX2 under AVX-512), or None without the shim."""
+    fn = _shim_function("plimsoll_half_isa", [], ctypes.c_int)
     return KERNEL_ISAS[fn()] if fn is not None else None
 
 

@@ -413,52 +413,76 @@ static inline float scale_at(int skind, const void *p, i64 idx) {
   return skind == SCALE_BF16 ? bf16_to_float(h) : half_to_float(h);
 }
 
+/* The 16 values of a quantized weight from word wd on, widened: Q8 as two 8-lane pieces
+ * (p 0 and 1), Q16 as one 16-lane vector (AVX-512). */
 #define TO_F32(v) __builtin_convertvector((v8i32)(v), v8f)
-#define QUANT_FUNCS(SUFFIX, ATTR)                                                           \
+#define Q8(bits, wd, p) ((bits) == 4 ? Q8_4(wd[p]) : Q8_8(wd[2 * p], wd[2 * p + 1]))
+#define Q8_4(u)                                                                             \
+  TO_F32(((v8u32){u, u, u, u, u, u, u, u} >> (v8u32){0, 4, 8, 12, 16, 20, 24, 28}) & 15u)
+#define Q8_8(u, v)                                                                          \
+  TO_F32(((v8u32){u, u, u, u, v, v, v, v} >> (v8u32){0, 8, 16, 24, 0, 8, 16, 24}) & 255u)
+/* Q16 is defined with the AVX-512 kernels (below): its words are spread over the lanes
+ * by one vpermd, which only the intrinsics spell the same way for every compiler. */
+/* A group's sum as AVX2's two 8-lane accumulators add it (acc[0] + acc[1]). */
+#define FOLD8(acc) ((acc)[0] + (acc)[1])
+#define FOLD16(acc) (HALF16((acc)[0], 0) + HALF16((acc)[0], 1))
+/* VF, WL: the vector of WL float32 lanes; Q and FOLD the matching pair above. G groups
+ * from group g on are summed side by side, each as it would be alone, and added to tot in
+ * group order: a group's sums are chains of dependent multiply-adds, and one row of x has
+ * only one or two of its own (G = 4 at one row, 2 at two, 1 from three). */
+#define QUANT_FUNCS(SUFFIX, ATTR, VF, WL, Q, FOLD)                                          \
+  ATTR static inline __attribute__((always_inline)) void qgroups_##SUFFIX(                  \
+      const int bits, const int MB, const int G, int g, int group, int skind,               \
+      const float *a, i64 lda, const unsigned char *wr, i64 s0, const void *scales,         \
+      v8f *tot) {                                                                           \
+    const int gbytes = group * bits / 8;                                                    \
+    VF acc[4][4][2];                                                                        \
+    UNROLL for (int h = 0; h < G; h++)                                                      \
+      UNROLL for (int i = 0; i < MB; i++) acc[h][i][0] = acc[h][i][1] = (VF){0};            \
+    for (int t = 0; t < group; t += 16) {                                                   \
+      UNROLL for (int h = 0; h < G; h++) {                                                  \
+        const unsigned *wd = (const unsigned *)(wr + (i64)(g + h) * gbytes + t * bits / 8); \
+        UNROLL for (int p = 0; p < 16 / (WL); p++) {                                        \
+          VF q = Q(bits, wd, p);                                                            \
+          UNROLL for (int i = 0; i < MB; i++)                                               \
+            acc[h][i][p] += q * *(const VF *)(a + i * lda + (i64)(g + h) * group + t +      \
+                                              (WL) * p);                                    \
+        }                                                                                   \
+      }                                                                                     \
+    }                                                                                       \
+    UNROLL for (int h = 0; h < G; h++) {                                                    \
+      float sc = scale_at(skind, scales, s0 + g + h);                                       \
+      v8f sv = {sc, sc, sc, sc, sc, sc, sc, sc};                                            \
+      UNROLL for (int i = 0; i < MB; i++) tot[i] += sv * FOLD(acc[h][i]);                   \
+    }                                                                                       \
+  }                                                                                         \
+                                                                                            \
   ATTR static inline __attribute__((always_inline)) void qblock_##SUFFIX(                   \
       const int bits, const int MB, int k, int group, int skind, const float *a, i64 lda,   \
       const unsigned char *wr, i64 s0, const void *scales, const void *biases, float *y,    \
       i64 ldy) {                                                                            \
-    const v8f zero = {0, 0, 0, 0, 0, 0, 0, 0};                                              \
+    const int G = MB == 1 ? 4 : MB == 2 ? 2 : 1;                                            \
     v8f tot[4];                                                                             \
-    UNROLL for (int i = 0; i < MB; i++) tot[i] = zero;                                      \
-    int groups = k / group, gbytes = group * bits / 8;                                      \
-    for (int g = 0; g < groups; g++) {                                                      \
-      const unsigned char *wg = wr + (i64)g * gbytes;                                       \
-      v8f acc[4][2];                                                                        \
-      UNROLL for (int i = 0; i < MB; i++) acc[i][0] = acc[i][1] = zero;                     \
-      for (int t = 0; t < group; t += 16) {                                                 \
-        v8f q0, q1;                                                                         \
-        const unsigned *wd = (const unsigned *)(wg + t * bits / 8);                         \
-        if (bits == 4) { /* a word's 8 values, each lane shifting its own out */            \
-          const v8u32 sh = {0, 4, 8, 12, 16, 20, 24, 28};                                   \
-          v8u32 w0 = {wd[0], wd[0], wd[0], wd[0], wd[0], wd[0], wd[0], wd[0]};              \
-          v8u32 w1 = {wd[1], wd[1], wd[1], wd[1], wd[1], wd[1], wd[1], wd[1]};              \
-          q0 = TO_F32((w0 >> sh) & 15u);                                                    \
-          q1 = TO_F32((w1 >> sh) & 15u);                                                    \
-        } else {                                                                            \
-          const v8u32 sh = {0, 8, 16, 24, 0, 8, 16, 24};                                    \
-          v8u32 w0 = {wd[0], wd[0], wd[0], wd[0], wd[1], wd[1], wd[1], wd[1]};              \
-          v8u32 w1 = {wd[2], wd[2], wd[2], wd[2], wd[3], wd[3], wd[3], wd[3]};              \
-          q0 = TO_F32((w0 >> sh) & 255u);                                                   \
-          q1 = TO_F32((w1 >> sh) & 255u);                                                   \
-        }                                                                                   \
-        UNROLL for (int i = 0; i < MB; i++) {                                               \
-          const float *xr = a + i * lda + (i64)g * group + t;                               \
-          acc[i][0] += q0 * *(const v8f *)xr;                                               \
-          acc[i][1] += q1 * *(const v8f *)(xr + 8);                                         \
-        }                                                                                   \
-      }                                                                                     \
-      float sc = scale_at(skind, scales, s0 + g);                                           \
-      v8f sv = {sc, sc, sc, sc, sc, sc, sc, sc};                                            \
-      UNROLL for (int i = 0; i < MB; i++) tot[i] += sv * (acc[i][0] + acc[i][1]);           \
-    }                                                                                       \
+    UNROLL for (int i = 0; i < MB; i++) tot[i] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};             \
+    int groups = k / group, g = 0;                                                          \
+    for (; g + G <= groups; g += G)                                                         \
+      qgroups_##SUFFIX(bits, MB, G, g, group, skind, a, lda, wr, s0, scales, tot);          \
+    for (; g < groups; g++)                                                                 \
+      qgroups_##SUFFIX(bits, MB, 1, g, group, skind, a, lda, wr, s0, scales, tot);          \
     UNROLL for (int i = 0; i < MB; i++) {                                                   \
       v8f v = tot[i];                                                                       \
       float r = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));          \
       const float *xs = a + i * lda + k;                                                    \
-      for (int g = 0; g < groups; g++) r += scale_at(skind, biases, s0 + g) * xs[g];        \
-      y[i * ldy] = r;                                                                       \
+      float b0 = 0, b1 = 0, b2 = 0, b3 = 0; /* four chains of the biases' sum */          \
+      int gi = 0;                                                                           \
+      for (; gi + 4 <= groups; gi += 4) {                                                   \
+        b0 += scale_at(skind, biases, s0 + gi) * xs[gi];                                    \
+        b1 += scale_at(skind, biases, s0 + gi + 1) * xs[gi + 1];                            \
+        b2 += scale_at(skind, biases, s0 + gi + 2) * xs[gi + 2];                            \
+        b3 += scale_at(skind, biases, s0 + gi + 3) * xs[gi + 3];                            \
+      }                                                                                     \
+      for (; gi < groups; gi++) b0 += scale_at(skind, biases, s0 + gi) * xs[gi];            \
+      y[i * ldy] = r + ((b0 + b1) + (b2 + b3));                                             \
     }                                                                                       \
   }                                                                                         \
                                                                                             \
@@ -496,14 +520,33 @@ static inline float scale_at(int skind, const void *p, i64 idx) {
       qrows_##SUFFIX(8, group, skind, m, k, a, lda, w, scales, biases, y, ldy, j0, j1);     \
   }
 
-QUANT_FUNCS(portable, )
+QUANT_FUNCS(portable, , v8f, 8, Q8, FOLD8)
 #if defined(__x86_64__)
-QUANT_FUNCS(avx2, __attribute__((target("avx2,fma,f16c"))))
+QUANT_FUNCS(avx2, __attribute__((target("avx2,fma,f16c"))), v8f, 8, Q8, FOLD8)
+#include <immintrin.h> /* a compiler's own header: no libc */
+#define AVX512_ATTR __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+AVX512_ATTR static inline __attribute__((always_inline)) v16f q16(int bits,
+                                                                   const unsigned *wd) {
+  const __m128i_u *words = (const __m128i_u *)wd;
+  __m512i lanes, shifts;
+  if (bits == 4) { /* two words over 8 lanes each */
+    lanes = _mm512_permutexvar_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0,
+                                                      0, 0, 0),
+                                     _mm512_castsi128_si512(_mm_loadl_epi64(words)));
+    shifts = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
+  } else { /* four words over 4 lanes each */
+    lanes = _mm512_permutexvar_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0,
+                                                      0, 0, 0),
+                                     _mm512_castsi128_si512(_mm_loadu_si128(words)));
+    shifts = _mm512_set_epi32(24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0, 24, 16, 8, 0);
+  }
+  __m512i q = _mm512_and_si512(_mm512_srlv_epi32(lanes, shifts),
+                               _mm512_set1_epi32(bits == 4 ? 15 : 255));
+  return (v16f)_mm512_cvtepi32_ps(q);
+}
+#define Q16(bits, wd, p) q16(bits, wd)
+QUANT_FUNCS(avx512, AVX512_ATTR, v16f, 16, Q16, FOLD16)
 #endif
-
-/* Which quantized kernel runs here: 0 portable, 1 AVX2. AVX2 under AVX-512 too: a 16-lane
- * build of this loop measured 1.1x on 4-bit weights here and 5x slower on 8-bit ones. */
-int plimsoll_quant_isa(void) { return plimsoll_half_isa() ? 1 : 0; }
 
 /* bits 4 or 8; group a multiple of 16 that divides k; skind SCALE_*. Returns -1 for
  * arguments it does not take. */
@@ -515,7 +558,11 @@ int plimsoll_quant_gemv(int bits, int group, int skind, int m, int k, const floa
       j1 < j0 || lda < k + k / group)
     return -1;
 #if defined(__x86_64__)
-  if (plimsoll_quant_isa()) {
+  switch (plimsoll_half_isa()) {
+  case 2:
+    quant_gemv_avx512(bits, group, skind, m, k, a, lda, w, scales, biases, y, ldy, j0, j1);
+    return 0;
+  case 1:
     quant_gemv_avx2(bits, group, skind, m, k, a, lda, w, scales, biases, y, ldy, j0, j1);
     return 0;
   }

@@ -933,7 +933,7 @@ def _choose_shim_decode(layers: list[nn.Module], decode: DecodeMode, what: str,
     shown = shim_decode.show_layers(layers)
     if not shown:
         return False, f"{what} {now} (the shim could not take their weights)"
-    isa = blas.half_kernel_isa(quantized=shim_decode.is_quantized(shown[0]))
+    isa = blas.half_kernel_isa()
     some = "" if len(shown) == len(layers) else f" ({len(shown)} of {len(layers)})"
     helpers = blas.kernel_helpers()
     shared = (f"; products of {blas.KERNEL_PARALLEL_MIN_BYTES >> 20} MiB of weight or more "

@@ -54,12 +54,12 @@ class _Shown:
     release: weakref.finalize  # unregisters once: here, or when the layer is collected
 
 
-def is_quantized(m: nn.Module) -> bool:
+def _quantized(m: nn.Module) -> bool:
     return "scales" in m and hasattr(m, "bits")
 
 
 def _parts(m: nn.Module) -> tuple[mx.array, ...]:
-    if is_quantized(m):
+    if _quantized(m):
         return m["weight"], m["scales"], m["biases"]
     return (m["weight"],)
 
@@ -86,7 +86,7 @@ def show(m: nn.Module) -> mx.array | None:
     w = m["weight"]
     if w.ndim != 2:
         return None
-    if is_quantized(m):
+    if _quantized(m):
         if (getattr(m, "mode", "affine") != "affine" or "biases" not in m
                 or m.bits not in QUANT_BITS or m.group_size % 16
                 or m["scales"].dtype not in SCALE_KINDS
@@ -151,7 +151,7 @@ def product(m: nn.Module, view: mx.array, x: mx.array) -> mx.array:
     k = int(x.shape[-1])
     rows = x.size // k
     a = x.astype(mx.float32)
-    if is_quantized(m):
+    if _quantized(m):
         a = _rows(m, a.reshape(rows, k), width)
     spread = a.size // (rows * width)
     held: _Shown | None = m.__dict__.get("_shim_shown")
@@ -175,7 +175,7 @@ def product_bytes(m: nn.Module, view: mx.array, rows: int) -> int:
     rows as the kernel reads them, MLX's output (`spread` times the real one, every part)
     and y."""
     n, width, k = int(view.shape[0]), int(view.shape[1]), in_features(m)
-    used = k + k // m.group_size if is_quantized(m) else k
+    used = k + k // m.group_size if _quantized(m) else k
     spread = math.ceil(used / width)
     return rows * 4 * (k + spread * width + spread * n + n)
 
@@ -184,7 +184,7 @@ def _rows(m: nn.Module, x32: mx.array, width: int) -> mx.array:
     """x's rows as the kernel reads them, each a whole number of `width`s long: as they
     are for half precision (2 x k/2); for a quantized weight its k values, its k/group
     group sums, and zeros up to a multiple of the width."""
-    if not is_quantized(m):
+    if not _quantized(m):
         return x32
     rows, k = int(x32.shape[0]), int(x32.shape[1])
     sums = x32.reshape(rows, k // m.group_size, m.group_size).sum(axis=-1)
@@ -202,7 +202,7 @@ def kernel_reference(m: nn.Module, x: mx.array) -> mx.array:
     n = int(m["weight"].shape[0])
     x32 = x.astype(mx.float32).reshape(-1, x.shape[-1])
     a = _rows(m, x32, 1)
-    if is_quantized(m):
+    if _quantized(m):
         arrays = _own_buffer(a, m["weight"], m["scales"], m["biases"])
         kernel = blas.quant_gemv()
     else:
@@ -215,7 +215,7 @@ def kernel_reference(m: nn.Module, x: mx.array) -> mx.array:
     y = np.empty((xs.shape[0], n), dtype=np.float32)
     for r0 in range(0, xs.shape[0], blas.HALF_ROWS):
         r = min(blas.HALF_ROWS, xs.shape[0] - r0)
-        if is_quantized(m):
+        if _quantized(m):
             done = kernel(m.bits, m.group_size, SCALE_KINDS[m["scales"].dtype], r, k,
                           xs[r0:].ctypes.data, xs.shape[1], arrays[1].ctypes.data,
                           arrays[2].ctypes.data, arrays[3].ctypes.data, y[r0:].ctypes.data,
@@ -232,7 +232,7 @@ def kernel_reference(m: nn.Module, x: mx.array) -> mx.array:
 
 
 def in_features(m: nn.Module) -> int:
-    if is_quantized(m):
+    if _quantized(m):
         return int(m["scales"].shape[1]) * m.group_size
     return int(m["weight"].shape[1])
 
@@ -240,7 +240,7 @@ def in_features(m: nn.Module) -> int:
 def _checks(m: nn.Module, view: mx.array) -> bool:
     """One product through the shown path ran the kernel (the shim counted it) and gave
     the direct call's result bit for bit: MLX handed the shim the registered weight."""
-    dtype = m["scales"].dtype if is_quantized(m) else m["weight"].dtype
+    dtype = m["scales"].dtype if _quantized(m) else m["weight"].dtype
     x = mx.random.normal((1, 1, in_features(m)), key=mx.random.key(7)).astype(dtype)
     before = blas.half_calls()
     got = product(m, view, x)
