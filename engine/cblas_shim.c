@@ -13,7 +13,8 @@
  * A small product runs on one thread (below the multiply-adds engine/blas.py binds): a
  * second one gains little there and takes the core the event loop and the clients need.
  *
- * No libc, no headers: built with -nostdlib by whichever C compiler is at hand. */
+ * No libc, and no header but the compiler's own <immintrin.h> (for the AVX-512 kernels):
+ * built with -nostdlib by whichever C compiler is at hand. */
 
 typedef long long i64;
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
