@@ -332,14 +332,16 @@ static int have_avx2(void) {
   return (r[1] >> 5) & 1u;
 }
 
-/* AVX-512F as well, and its registers saved by the OS (opmask, both upper halves). */
+/* AVX-512 F, BW and VL as well (the kernels are built for all three), and its registers
+ * saved by the OS (opmask, both upper halves). */
 static int have_avx512(void) {
   if (!have_avx2()) return 0;
   unsigned r[4], lo, hi;
   __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
   if ((lo & 0xe6u) != 0xe6u) return 0;
   cpuid(7, 0, r);
-  return (r[1] >> 16) & 1u;
+  const unsigned f_bw_vl = (1u << 16) | (1u << 30) | (1u << 31);
+  return (r[1] & f_bw_vl) == f_bw_vl;
 }
 #endif
 
