@@ -105,6 +105,7 @@ MKL_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
 # The OpenBLAS wheel whose ints are 32-bit, as MLX's cblas_sgemm calls pass them.
 OPENBLAS_PACKAGE = "scipy_openblas32"
 OPENBLAS_PREFIX = "scipy_"  # its exported names: scipy_cblas_sgemm, ...
+CORETYPE_ENV = "OPENBLAS_CORETYPE"  # OpenBLAS's own: its kernels, instead of its choice
 SHIM_SOURCE = Path(__file__).with_name("cblas_shim.c")
 
 # MKL_Set_Threading_Layer / MKL_THREADING_LAYER values.
@@ -381,7 +382,12 @@ def _load_openblas(path: str, reason: str) -> BlasState:
         corename.restype = ctypes.c_char_p
         kernels = (corename() or b"").decode(errors="replace").strip()
     version = ".".join(version.split(".")[:3])
-    desc = f"OpenBLAS {version} (scipy-openblas32{', ' + kernels + ' kernels' if kernels else ''}" \
+    if kernels:
+        # A machine may pin them (older OpenBLAS builds fail on some CPUs); on a CPU with
+        # AVX-512 that cost prefill 1.2-1.4x here, so the line says who chose them.
+        pinned = os.environ.get(CORETYPE_ENV, "").strip()
+        kernels += " kernels" + (f" as {CORETYPE_ENV}={pinned} asks" if pinned else "")
+    desc = f"OpenBLAS {version} (scipy-openblas32{', ' + kernels if kernels else ''}" \
         + (f", float32 products of up to {skinny} rows through the shim's kernel" if skinny
            else "") \
         + (", one-row products as gemv)" if rows == 1 else

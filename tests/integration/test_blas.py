@@ -107,6 +107,10 @@ def test_state_follows_the_switches():
                                                           "the [blas] extra")
     assert on["version"] and on["threads"] == blas.usable_cpus()
     assert "/" not in on["description"] and "gemv" in on["description"]
+    # Kernels pinned by the machine's environment are named as such (it is left as set).
+    pinned = os.environ.get(blas.CORETYPE_ENV, "").strip()
+    assert (f"kernels as {blas.CORETYPE_ENV}={pinned} asks" in on["description"]
+            if pinned else "asks" not in on["description"]), on["description"]
     if HAVE_MKL:
         mkl = _state(_env(PLIMSOLL_BLAS="mkl"))
         assert (mkl["name"], mkl["optimized"], mkl["reason"]) == ("mkl", True,
