@@ -106,6 +106,9 @@ MKL_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
 OPENBLAS_PACKAGE = "scipy_openblas32"
 OPENBLAS_PREFIX = "scipy_"  # its exported names: scipy_cblas_sgemm, ...
 CORETYPE_ENV = "OPENBLAS_CORETYPE"  # OpenBLAS's own: its kernels, instead of its choice
+# The instruction set of the x86_64 kernels OpenBLAS names by core.
+CORE_ISAS = {"Haswell": "avx2", "Zen": "avx2", "SkylakeX": "avx512", "Cooperlake": "avx512",
+             "SapphireRapids": "avx512"}
 SHIM_SOURCE = Path(__file__).with_name("cblas_shim.c")
 
 # MKL_Set_Threading_Layer / MKL_THREADING_LAYER values.
@@ -367,6 +370,7 @@ def _load_openblas(path: str, reason: str) -> BlasState:
     # Now global (the same handle, promoted), so libmlx.so's cblas_sgemm binds to it.
     ctypes.CDLL(str(shim_path), mode=ctypes.RTLD_GLOBAL | os.RTLD_NOLOAD)
     _handles.extend((lib, shim))
+    cpu_isa = limit_kernel_isa(KERNEL_ISAS[-1])  # the best the CPU has, before any cap
     limit_kernel_isa(kernel_isa_limit())
     skinny = set_skinny_rows(skinny_rows())  # its helper threads start in `preload`
     get_config = getattr(lib, OPENBLAS_PREFIX + "openblas_get_config", None)
@@ -384,9 +388,12 @@ def _load_openblas(path: str, reason: str) -> BlasState:
     version = ".".join(version.split(".")[:3])
     if kernels:
         # A machine may pin them (older OpenBLAS builds fail on some CPUs); on a CPU with
-        # AVX-512 that cost prefill 1.2-1.4x here, so the line says who chose them.
+        # AVX-512 that cost prefill 1.1-1.4x here, so the line says who chose them.
         pinned = os.environ.get(CORETYPE_ENV, "").strip()
         kernels += " kernels" + (f" as {CORETYPE_ENV}={pinned} asks" if pinned else "")
+        if pinned and cpu_isa == "avx512" and CORE_ISAS.get(kernels.split()[0]) == "avx2":
+            kernels += (" on a CPU with AVX-512, for which OpenBLAS's own choice runs its"
+                        " AVX-512 ones")
     desc = f"OpenBLAS {version} (scipy-openblas32{', ' + kernels if kernels else ''}" \
         + (f", float32 products of up to {skinny} rows through the shim's kernel" if skinny
            else "") \

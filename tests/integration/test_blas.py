@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -111,6 +112,14 @@ def test_state_follows_the_switches():
     pinned = os.environ.get(blas.CORETYPE_ENV, "").strip()
     assert (f"kernels as {blas.CORETYPE_ENV}={pinned} asks" in on["description"]
             if pinned else "asks" not in on["description"]), on["description"]
+    # ... and AVX2 ones pinned on a CPU with AVX-512 say what OpenBLAS would run instead.
+    core = re.search(r"(\w+) kernels", on["description"])
+    was = blas.half_kernel_isa()
+    cpu = blas.limit_kernel_isa("avx512")  # the best this CPU has
+    blas.limit_kernel_isa(was or "portable")
+    below = bool(pinned) and core is not None and blas.CORE_ISAS.get(core[1]) == "avx2" \
+        and cpu == "avx512"
+    assert ("OpenBLAS's own choice runs its AVX-512 ones" in on["description"]) == below
     if HAVE_MKL:
         mkl = _state(_env(PLIMSOLL_BLAS="mkl"))
         assert (mkl["name"], mkl["optimized"], mkl["reason"]) == ("mkl", True,
