@@ -381,25 +381,32 @@ def _load_openblas(path: str, reason: str) -> BlasState:
     version = config[1] if len(config) > 1 and config[0] == "OpenBLAS" else ""
     # The core its DYNAMIC_ARCH build picked at load ("Haswell", "SkylakeX", "NeoverseN1").
     corename = getattr(lib, OPENBLAS_PREFIX + "openblas_get_corename", None)
-    kernels = ""
+    core = ""
     if corename is not None:
         corename.restype = ctypes.c_char_p
-        kernels = (corename() or b"").decode(errors="replace").strip()
+        core = (corename() or b"").decode(errors="replace").strip()
+    kernels = kernels_text(core, os.environ.get(CORETYPE_ENV, "").strip(), cpu_isa)
     version = ".".join(version.split(".")[:3])
-    if kernels:
-        # A machine may pin them (older OpenBLAS builds fail on some CPUs); on a CPU with
-        # AVX-512 that cost prefill 1.1-1.4x here, so the line says who chose them.
-        pinned = os.environ.get(CORETYPE_ENV, "").strip()
-        kernels += " kernels" + (f" as {CORETYPE_ENV}={pinned} asks" if pinned else "")
-        if pinned and cpu_isa == "avx512" and CORE_ISAS.get(kernels.split()[0]) == "avx2":
-            kernels += (" on a CPU with AVX-512, for which OpenBLAS's own choice runs its"
-                        " AVX-512 ones")
     desc = f"OpenBLAS {version} (scipy-openblas32{', ' + kernels if kernels else ''}" \
         + (f", float32 products of up to {skinny} rows through the shim's kernel" if skinny
            else "") \
         + (", one-row products as gemv)" if rows == 1 else
            f", products of up to {rows} rows as gemv)")
     return BlasState("openblas", version, desc, threads, True, reason, path)
+
+
+def kernels_text(core: str, pinned: str, cpu_isa: str | None) -> str:
+    """How the BLAS line names OpenBLAS's kernels: `core` as OpenBLAS reports it, `pinned`
+    the OPENBLAS_CORETYPE of the environment ("" for none), `cpu_isa` the best the CPU has
+    (the shim's word). A machine may pin them (older OpenBLAS builds fail on some CPUs);
+    AVX2 ones pinned on a CPU with AVX-512 cost prefill 1.1-1.4x here, so the line says
+    who chose them and what OpenBLAS would run instead."""
+    if not core:
+        return ""
+    text = f"{core} kernels" + (f" as {CORETYPE_ENV}={pinned} asks" if pinned else "")
+    if pinned and cpu_isa == "avx512" and CORE_ISAS.get(core) == "avx2":
+        text += " on a CPU with AVX-512, for which OpenBLAS's own choice runs its AVX-512 ones"
+    return text
 
 
 def shim_counts() -> tuple[int, int, int] | None:

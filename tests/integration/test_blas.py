@@ -136,6 +136,21 @@ def test_state_follows_the_switches():
     assert bad["name"] == "reference" and bad["problem"]
 
 
+def test_the_blas_line_says_who_chose_openblass_kernels():
+    pin = blas.CORETYPE_ENV
+    assert blas.kernels_text("", "", "avx512") == ""
+    assert blas.kernels_text("SkylakeX", "", "avx512") == "SkylakeX kernels"
+    assert blas.kernels_text("Haswell", "", "avx2") == "Haswell kernels"
+    assert blas.kernels_text("SkylakeX", "SkylakeX", "avx512") == \
+        f"SkylakeX kernels as {pin}=SkylakeX asks"
+    assert blas.kernels_text("Haswell", "haswell", "avx2") == \
+        f"Haswell kernels as {pin}=haswell asks"
+    for core in ("Haswell", "Zen"):
+        assert blas.kernels_text(core, core, "avx512") == (
+            f"{core} kernels as {pin}={core} asks on a CPU with AVX-512, for which "
+            "OpenBLAS's own choice runs its AVX-512 ones")
+
+
 @needs_openblas
 def test_mlx_imported_first_keeps_the_reference_and_says_so():
     out = _python("""
