@@ -437,9 +437,10 @@ def _round_half(a: np.ndarray, dtype: mx.Dtype, tmp: np.ndarray) -> None:
 
 def _softmax_block(s: np.ndarray, mask: np.ndarray | None, additive: bool,
                    half: mx.Dtype, tmp: np.ndarray) -> None:
-    """softmax over the last axis of one (rows, S) block, in place, rounded to `half`
-    before and after as MLX's half-precision attention rounds its scores and weights.
-    `mask`: (rows | 1, S), True (bool) where a key is hidden, or values to add."""
+    """softmax over the last axis of one contiguous (heads, rows, S) block, in place,
+    rounded to `half` before and after as MLX's half-precision attention rounds its scores
+    and weights. `mask`: (rows | 1, S), the same for every head, True (bool) where a key
+    is hidden, or values to add."""
     _round_half(s, half, tmp)
     if mask is not None:
         if additive:
@@ -487,6 +488,14 @@ def _attention_f32(q: mx.array, k: mx.array, v: mx.array, mask: Any,
     return mx.concatenate(outs, axis=2)
 
 
+def _heads_per_block(n: int, s_len: int) -> int:
+    """Whole heads one block of the softmax holds: several where a head's scores are small
+    (short prompts in a batch), since NumPy's cost per call, not per element, would
+    otherwise dominate (8 x 47-token prompts: 128 blocks of 47 x 47 a layer); else one,
+    a few of its rows a block."""
+    return max(1, _BLOCK_ELEMENTS // (n * s_len))
+
+
 def _attend(q: mx.array, k: mx.array, v: mx.array, mask: Any, half: mx.Dtype,
             first: int) -> mx.array:
     """`_attention_f32` over all of `k` for queries at positions `first`.. of the keys
@@ -508,15 +517,17 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, mask: Any, half: mx.Dtype,
         m = m.reshape(-1, n, s_len)
         additive = m.dtype != np.bool_
         hidden = m.astype(np.float32, copy=False) if additive else ~m
-    rows = max(1, _BLOCK_ELEMENTS // s_len)
-    blocks = [(bi, g, r, i) for bi in range(b) for g in range(kv) for r in range(rep)
+    heads = _heads_per_block(n, s_len)
+    rows = n if heads > 1 else max(1, _BLOCK_ELEMENTS // s_len)
+    s = s.reshape(b, h, n, s_len)
+    blocks = [(bi, h0, i) for bi in range(b) for h0 in range(0, h, heads)
               for i in range(0, n, rows)]
 
     def softmax(start: int, stop: int) -> None:
-        tmp = np.empty(rows * s_len, dtype=np.uint32)
-        for bi, g, r, i in blocks[start:stop]:
+        tmp = np.empty(heads * rows * s_len, dtype=np.uint32)
+        for bi, h0, i in blocks[start:stop]:
             mrows = None if hidden is None else hidden[bi if hidden.shape[0] > 1 else 0]
-            _softmax_block(s[bi, g, r, i:i + rows], None if mrows is None
+            _softmax_block(s[bi, h0:h0 + heads, i:i + rows], None if mrows is None
                            else mrows[i:i + rows], additive, half, tmp)
 
     _in_parts(len(blocks), softmax)

@@ -2,15 +2,18 @@
 the same process (ABBA): `--compare rope-table` (default), a chunk's RoPE from a table
 (engine/rope_table.py) against `mx.fast.rope`; `--compare numpy-threads`, the chunk's
 NumPy softmax and SwiGLU (engine/fast_prefill.py) in parts on the decode kernels'
-threads against one thread.
+threads against one thread; `--compare head-blocks`, the NumPy softmax over several
+whole heads a block where they are small against one head a block.
 
     python -m tools.bench_prefill_step --models small-fp32,medium-fp32,small --tokens 255
     python -m tools.bench_prefill_step --compare numpy-threads --rounds 24
+    python -m tools.bench_prefill_step --compare head-blocks --batch 8 --tokens 47
 
 The model is loaded as the server loads it (the optimized BLAS first, the fast prefill
 and the compiled decode ops installed); a chunk is `model(tokens, cache)` on a fresh
-batch cache (one prompt's cache merged as mlx-lm's BatchGenerator merges it: an offset
-array, as the server's engine has), then its cache evaluated, as mlx-lm prefills. Per
+batch cache (`--batch` prompts' caches merged as mlx-lm's BatchGenerator merges them:
+an offset array, as the server's engine has), then its cache evaluated, as mlx-lm
+prefills. Per
 model: the median time of each side, their ratio, and whether the caches were equal bit
 for bit."""
 
@@ -28,8 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="small-fp32,medium-fp32,small",
                    help="demo sizes, SIZE-VARIANT for a variant (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=255, help="prompt tokens in the chunk")
+    p.add_argument("--batch", type=int, default=1, help="prompts in the chunk")
     p.add_argument("--rounds", type=int, default=8, help="rounds per side, alternating")
-    p.add_argument("--compare", choices=("rope-table", "numpy-threads"), default="rope-table")
+    p.add_argument("--compare", choices=("rope-table", "numpy-threads", "head-blocks"),
+                   default="rope-table")
     args = p.parse_args(argv)
     print(f"BLAS: {blas.preload().description}", flush=True)
     import mlx.core as mx
@@ -44,13 +49,18 @@ def main(argv: list[str] | None = None) -> int:
 
         def off(module, x, offset, stock, key):
             return stock(x, offset)
-    else:
+    elif args.compare == "numpy-threads":
         target, name = fast_prefill, "_in_parts"
 
         def off(count, run):
             return run(0, count)
+    else:
+        target, name = fast_prefill, "_heads_per_block"
+
+        def off(n, s_len):
+            return 1
     on_fn = getattr(target, name)
-    print("| model | tokens | off (ms) | on (ms) | off / on | caches equal |")
+    print("| model | prompts x tokens | off (ms) | on (ms) | off / on | caches equal |")
     print("|---|---:|---:|---:|---:|---|")
     for model_name in args.models.split(","):
         size, _, variant = model_name.partition("-")
@@ -59,10 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         plan = fast_prefill.install(model)
         plan.bind_thread()
         compiled_decode.install(model)
-        tokens = mx.array([[5 + i % 4000 for i in range(args.tokens)]])
+        tokens = mx.array([[5 + (i + 7 * b) % 4000 for i in range(args.tokens)]
+                           for b in range(args.batch)])
 
         def chunk(model=model, tokens=tokens) -> tuple[float, list]:
-            cache = [c.merge([c]) for c in make_prompt_cache(model)]
+            cache = [c.merge([c] * args.batch) for c in make_prompt_cache(model)]
             t0 = time.perf_counter()
             model(tokens, cache=cache)
             mx.eval([c.state for c in cache])
@@ -83,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         a, b = statistics.median(times[False]), statistics.median(times[True])
         equal = all(mx.array_equal(x, y).item()
                     for x, y in zip(states[True], states[False], strict=True))
-        print(f"| {model_name} | {args.tokens} | {a:.1f} | {b:.1f} | {a / b:.3f} | "
+        print(f"| {model_name} | {args.batch} x {args.tokens} | {a:.1f} | {b:.1f} | {a / b:.3f} | "
               f"{'yes' if equal else 'NO'} |", flush=True)
     return 0
 

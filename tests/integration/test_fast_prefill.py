@@ -352,6 +352,27 @@ def test_numpy_passes_split_over_threads_give_the_same_bits(half, monkeypatch):
 
 
 @pytest.mark.parametrize("half", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("mask", ["causal", "additive", "bool"])
+@pytest.mark.parametrize("n, s_len", [(20, 30), (100, 120)])  # all 8 heads a block; 5 + 3
+def test_small_heads_softmaxed_together_give_each_heads_own_result(monkeypatch, half, mask,
+                                                                   n, s_len):
+    """Short prompts in a batch: a block of the NumPy softmax holds several whole heads
+    (each batch entry's own mask for all of them), the same bits as one head a block."""
+    b, h, kv = 3, 8, 2
+    assert fast_prefill._BLOCK_ELEMENTS // (100 * 120) == 5  # the second shape's grouping
+    mx.random.seed(5)
+    q = mx.random.normal((b, h, n, 16)) * 0.25
+    k, v = mx.random.normal((b, kv, s_len, 16)), mx.random.normal((b, kv, s_len, 16))
+    m = {"causal": "causal",
+         "additive": mx.random.normal((b, 1, n, s_len)) * 4,
+         "bool": mx.random.uniform(shape=(b, 1, n, s_len)) > 0.3}[mask]
+    together = fast_prefill._attend(q, k, v, m, half, s_len - n)
+    monkeypatch.setattr(fast_prefill, "_BLOCK_ELEMENTS", n * s_len)  # one head a block
+    alone = fast_prefill._attend(q, k, v, m, half, s_len - n)
+    assert mx.array_equal(together, alone, equal_nan=True).item()
+
+
+@pytest.mark.parametrize("half", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("cached", [0, 100])
 def test_causal_blocks_give_the_whole_chunks_attention(half, cached):
     """A causal chunk longer than CAUSAL_ROWS is attended a block of queries at a time,
