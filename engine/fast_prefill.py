@@ -506,7 +506,7 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, mask: Any, half: mx.Dtype,
     # Heads h = g * rep + r share key head g (MLX's own grouping).
     scores = q.reshape(b, kv, rep * n, d) @ k.swapaxes(-1, -2)
     mx.eval(scores, *([mask] if isinstance(mask, mx.array) else []))
-    s = np.array(scores, copy=False).reshape(b, kv, rep, n, s_len)
+    s = np.array(scores, copy=False).reshape(b, h, n, s_len)  # head g * rep + r, as MLX's
     hidden: np.ndarray | None = None  # (B | 1, L, S): True where a key is hidden
     additive = False
     if isinstance(mask, str):  # "causal"
@@ -519,7 +519,6 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, mask: Any, half: mx.Dtype,
         hidden = m.astype(np.float32, copy=False) if additive else ~m
     heads = _heads_per_block(n, s_len)
     rows = n if heads > 1 else max(1, _BLOCK_ELEMENTS // s_len)
-    s = s.reshape(b, h, n, s_len)
     blocks = [(bi, h0, i) for bi in range(b) for h0 in range(0, h, heads)
               for i in range(0, n, rows)]
 
