@@ -506,7 +506,7 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, mask: Any, half: mx.Dtype,
     # Heads h = g * rep + r share key head g (MLX's own grouping).
     scores = q.reshape(b, kv, rep * n, d) @ k.swapaxes(-1, -2)
     mx.eval(scores, *([mask] if isinstance(mask, mx.array) else []))
-    s = np.array(scores, copy=False).reshape(b, h, n, s_len)  # head g * rep + r, as MLX's
+    s = np.array(scores, copy=False).reshape(b, h, n, s_len)
     hidden: np.ndarray | None = None  # (B | 1, L, S): True where a key is hidden
     additive = False
     if isinstance(mask, str):  # "causal"

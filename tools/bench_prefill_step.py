@@ -13,9 +13,8 @@ The model is loaded as the server loads it (the optimized BLAS first, the fast p
 and the compiled decode ops installed); a chunk is `model(tokens, cache)` on a fresh
 batch cache (`--batch` prompts' caches merged as mlx-lm's BatchGenerator merges them:
 an offset array, as the server's engine has), then its cache evaluated, as mlx-lm
-prefills. Per
-model: the median time of each side, their ratio, and whether the caches were equal bit
-for bit."""
+prefills. Per model: the median time of each side, their ratio, and whether the caches
+were equal bit for bit."""
 
 from __future__ import annotations
 
