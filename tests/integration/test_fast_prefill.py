@@ -156,6 +156,40 @@ async def test_fp32_greedy_output_is_the_stock_paths_with_numpy_elementwise(demo
                              asyncio.wrap_future(stock.stop()))
 
 
+async def test_prompts_prefilled_together_keep_the_stock_tokens_with_heads_grouped(
+        demo_path, monkeypatch):
+    """Several prompts submitted at once on real engine threads with the defaults: each
+    one's greedy output is the stock path's, and the NumPy softmax held several whole
+    heads a block (129-150 tokens on the demo model's 4 heads: 3 heads a block). That the
+    grouping gives each head's own bits is checked where tokens would not show it:
+    `test_small_heads_softmaxed_together_give_each_heads_own_result`."""
+    grouped: list[int] = []
+    heads_per_block = fast_prefill._heads_per_block
+
+    def watched(n: int, s_len: int) -> int:
+        grouped.append(heads_per_block(n, s_len))
+        return grouped[-1]
+
+    monkeypatch.setattr(fast_prefill, "_heads_per_block", watched)
+    loop = asyncio.get_running_loop()
+    fast = ModelEngine("fast", str(demo_path), loop, EngineSettings())
+    stock = ModelEngine("stock", str(demo_path), loop, EngineSettings(fast_prefill=False))
+    try:
+        await asyncio.gather(asyncio.wrap_future(fast.start()),
+                             asyncio.wrap_future(stock.start()))
+        ids = fast.info.tokenizer.encode(DEMO_CORPUS) * 4
+        batch = [ids[7 * i:7 * i + length] for i, length in enumerate((129, 136, 143, 150))]
+        assert all(len(p) >= fast_prefill.FLOAT32_MIN_TOKENS for p in batch)
+        got = await asyncio.gather(*(greedy(fast, f"f{i}", p) for i, p in enumerate(batch)))
+        want = await asyncio.gather(*(greedy(stock, f"s{i}", p)
+                                      for i, p in enumerate(batch)))
+        assert got == want
+        assert grouped and max(grouped) > 1, grouped
+    finally:
+        await asyncio.gather(asyncio.wrap_future(fast.stop()),
+                             asyncio.wrap_future(stock.stop()))
+
+
 def test_fp32_logits_stay_within_a_millionth_of_the_stock_path(demo_path):
     """NumPy's exp against MLX's: the last position's logits of a long prompt."""
     info = load_model(str(demo_path))
