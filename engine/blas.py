@@ -35,9 +35,9 @@ Threads: as many as the process may run at once (`usable_cpus()`: the CPU affini
 and the cgroup v1/v2 CPU quota, never `os.cpu_count()`). MLX's own work (bfloat16 and
 float16 products, elementwise ops) and the server's event loop run on the same cores
 between BLAS calls: MKL's OpenMP threads are told not to spin after a call
-(`KMP_BLOCKTIME=0`), OpenBLAS's to spin ~0.3 ms (`OPENBLAS_THREAD_TIMEOUT=20`), and the
-shim runs products under half a million multiply-adds on one thread. Every variable is only a
-default: one already set in the environment wins.
+(`KMP_BLOCKTIME=0`), OpenBLAS's to spin ~3 ms (`OPENBLAS_THREAD_TIMEOUT=23`), and the
+shim runs products under four million multiply-adds (one-row products: half a million) on
+one thread. Every variable is only a default: one already set in the environment wins.
 """
 
 from __future__ import annotations
@@ -72,6 +72,13 @@ ENV = "PLIMSOLL_BLAS"
 PARALLEL_ENV = "PLIMSOLL_BLAS_PARALLEL_MIN"
 GEMV_PARALLEL_MIN = 1 << 19
 GEMM_PARALLEL_MIN = 1 << 22
+# OpenBLAS's workers spin 2^this cycles after a call before they sleep
+# (OPENBLAS_THREAD_TIMEOUT, read at load). Its default, 28 (~0.1 s), kept a second core
+# busy for the whole of a tiny model's decode. 23 (~3 ms) covers the gaps between the
+# products of a prefill chunk (its NumPy passes): a worker that sleeps there is woken for
+# the next product, and on virtual CPUs that had been idle that made a chunk up to twice
+# as slow (docs/benchmarks.md, "OpenBLAS's workers kept awake through a prefill chunk").
+OPENBLAS_SPIN = 23
 # Products of at most this many rows go to sgemv, one call per row (1 = only one-row
 # products): on two to three rows that beats OpenBLAS's sgemm, from four it does not
 # (docs/benchmarks.md, "Two and three rows as sgemv"). The variable overrides it.
@@ -339,10 +346,7 @@ def _load_openblas(path: str, reason: str) -> BlasState:
     """scipy-openblas32, whose symbols are prefixed: MLX reaches it through the shim.
     Nothing is global until the shim is bound: a failure leaves MLX's symbols alone."""
     shim_path = build_shim()
-    # OpenBLAS reads this at load. Its workers spin 2^28 cycles (~0.1 s) after a call by
-    # default, which kept a second core busy for the whole of a tiny model's decode;
-    # 2^20 (~0.3 ms) still covers the gaps between the products of one step.
-    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "20")
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", str(OPENBLAS_SPIN))
     lib = ctypes.CDLL(path)  # local scope: nothing binds to its names but the shim
     sgemm = getattr(lib, OPENBLAS_PREFIX + "cblas_sgemm", None)
     sgemv = getattr(lib, OPENBLAS_PREFIX + "cblas_sgemv", None)

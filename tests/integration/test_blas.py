@@ -177,6 +177,21 @@ def test_threads_follow_the_affinity_mask():
 
 
 @needs_openblas
+def test_openblas_workers_spin_through_a_prefill_chunks_gaps_unless_the_user_says():
+    """OpenBLAS reads its workers' spin at load: the server's default (2^23 cycles, ~3 ms),
+    or the user's own variable."""
+    code = """
+        import os
+        from engine import blas
+        blas.preload()
+        print(os.environ["OPENBLAS_THREAD_TIMEOUT"])
+    """
+    assert blas.OPENBLAS_SPIN == 23
+    assert _python(code).strip() == "23"
+    assert _python(code, _env(OPENBLAS_THREAD_TIMEOUT="20")).strip() == "20"
+
+
+@needs_openblas
 @pytest.mark.parametrize("gemv_rows,skinny_rows", [(None, "0"), ("1", "0"), (None, None)])
 def test_the_shim_sends_products_of_up_to_three_rows_to_gemv_and_the_rest_to_gemm(
         gemv_rows, skinny_rows):
