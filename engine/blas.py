@@ -35,8 +35,8 @@ Threads: as many as the process may run at once (`usable_cpus()`: the CPU affini
 and the cgroup v1/v2 CPU quota, never `os.cpu_count()`). MLX's own work (bfloat16 and
 float16 products, elementwise ops) and the server's event loop run on the same cores
 between BLAS calls: MKL's OpenMP threads are told not to spin after a call
-(`KMP_BLOCKTIME=0`), OpenBLAS's to spin ~3 ms (`OPENBLAS_THREAD_TIMEOUT=23`), and the
-shim runs products under four million multiply-adds (one-row products: half a million) on
+(`KMP_BLOCKTIME=0`), OpenBLAS's to spin ~26 ms (`OPENBLAS_THREAD_TIMEOUT=26`), and the
+shim runs products under eight million multiply-adds (one-row products: half a million) on
 one thread. Every variable is only a default: one already set in the environment wins.
 """
 
@@ -71,14 +71,15 @@ ENV = "PLIMSOLL_BLAS"
 # clients a core (docs/benchmarks.md, "Optimized BLAS"). "GEMV,GEMM" overrides both.
 PARALLEL_ENV = "PLIMSOLL_BLAS_PARALLEL_MIN"
 GEMV_PARALLEL_MIN = 1 << 19
-GEMM_PARALLEL_MIN = 1 << 22
+GEMM_PARALLEL_MIN = 1 << 23
 # OpenBLAS's workers spin 2^this cycles after a call before they sleep
-# (OPENBLAS_THREAD_TIMEOUT, read at load). Its default, 28 (~0.1 s), kept a second core
-# busy for the whole of a tiny model's decode. 23 (~3 ms) covers the gaps between the
-# products of a prefill chunk (its NumPy passes): a worker that sleeps there is woken for
-# the next product, and on virtual CPUs that had been idle that made a chunk up to twice
-# as slow (docs/benchmarks.md, "OpenBLAS's workers kept awake through a prefill chunk").
-OPENBLAS_SPIN = 23
+# (OPENBLAS_THREAD_TIMEOUT, read at load; ~26 ms at 2.6 GHz). Its default, 28 (~0.1 s),
+# kept a second core busy for the whole of a tiny model's decode, which now stays on one
+# thread (GEMM_PARALLEL_MIN). A worker must not sleep between a prefill chunk's products
+# (its NumPy passes, a wait for the GIL): woken for the next one on virtual CPUs that had
+# been idle, it made the first chunk after a pause up to twice as slow here
+# (docs/benchmarks.md, "OpenBLAS's workers kept awake through a prefill chunk").
+OPENBLAS_SPIN = 26
 # Products of at most this many rows go to sgemv, one call per row (1 = only one-row
 # products): on two to three rows that beats OpenBLAS's sgemm, from four it does not
 # (docs/benchmarks.md, "Two and three rows as sgemv"). The variable overrides it.

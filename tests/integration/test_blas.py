@@ -178,16 +178,16 @@ def test_threads_follow_the_affinity_mask():
 
 @needs_openblas
 def test_openblas_workers_spin_through_a_prefill_chunks_gaps_unless_the_user_says():
-    """OpenBLAS reads its workers' spin at load: the server's default (2^23 cycles, ~3 ms),
-    or the user's own variable."""
+    """OpenBLAS reads its workers' spin at load: the server's default (2^26 cycles), or the
+    user's own variable."""
     code = """
         import os
         from engine import blas
         blas.preload()
         print(os.environ["OPENBLAS_THREAD_TIMEOUT"])
     """
-    assert blas.OPENBLAS_SPIN == 23
-    assert _python(code).strip() == "23"
+    assert blas.OPENBLAS_SPIN == 26
+    assert _python(code).strip() == "26"
     assert _python(code, _env(OPENBLAS_THREAD_TIMEOUT="20")).strip() == "20"
 
 
@@ -249,10 +249,12 @@ _THREADS_USED = """
     from engine import blas
     import mlx.core as mx
     small = mx.ones((8, 256)) @ mx.ones((384, 256)).T  # 786k multiply-adds
+    head = mx.ones((32, 128)) @ mx.ones((1024, 128)).T  # 4.2M: the tiny model's, 32 rows
     large = mx.ones((64, 512)) @ mx.ones((512, 512))  # 16.8M
     one_row = mx.ones((1, 1024)) @ mx.ones((1024, 1024))  # one row, 4 MB of weights
     got = {}
-    for name, y in (("small", small), ("large", large), ("one_row", one_row)):
+    for name, y in (("small", small), ("head", head), ("large", large),
+                    ("one_row", one_row)):
         before = blas.shim_counts()
         mx.eval(y)
         got[name] = blas.shim_counts()[2] - before[2]
@@ -269,12 +271,12 @@ def test_only_products_past_the_thresholds_run_on_every_thread():
     skinny kernel, which would take the small product, is off here.)"""
     env = _env(OPENBLAS_NUM_THREADS="2", **{blas.SKINNY_ROWS_ENV: "0"})
     default = json.loads(_python(_THREADS_USED, env))
-    assert default["parallel"] == {"small": 0, "large": 1, "one_row": 1}, default
+    assert default["parallel"] == {"small": 0, "head": 0, "large": 1, "one_row": 1}, default
     assert default["min"] == [blas.GEMV_PARALLEL_MIN, blas.GEMM_PARALLEL_MIN]
     every = json.loads(_python(_THREADS_USED, env | {blas.PARALLEL_ENV: "0,0"}))
-    assert every["parallel"] == {"small": 1, "large": 1, "one_row": 1}, every
+    assert every["parallel"] == {"small": 1, "head": 1, "large": 1, "one_row": 1}, every
     high = json.loads(_python(_THREADS_USED, env | {blas.PARALLEL_ENV: "99999999,99999999"}))
-    assert high["parallel"] == {"small": 0, "large": 0, "one_row": 0}, high
+    assert high["parallel"] == {"small": 0, "head": 0, "large": 0, "one_row": 0}, high
 
 
 _SKINNY = """
