@@ -70,6 +70,12 @@ class EngineSettings:
     # ends and errors go at once. Fewer, larger messages cost the loop (and the GIL
     # the engine thread needs) less per token; 0 sends every step.
     stream_interval_s: float = 0.002
+    # An idle engine's first request waits while others follow within burst_gap_s of the
+    # one before, at most burst_wait_s in all: the event loop hands a burst over one call
+    # at a time, and prefilled apart its first requests delay all the others. 0 starts
+    # each at once.
+    burst_wait_s: float = 0.010
+    burst_gap_s: float = 0.001
     # Prefill chunks of bf16/fp16/quantized models through float32 and the optimized BLAS,
     # one layer converted at a time (engine/fast_prefill.py); False keeps the stock path.
     fast_prefill: bool = True
@@ -527,6 +533,7 @@ class ModelEngine:
 
     def _drain_inbox(self, gen, live, by_id, outbox, eos, no_stop, block: bool) -> None:
         timeout = IDLE_WAIT_S if block else None
+        gather_until: float | None = None
         while True:
             try:
                 cmd = self._inbox.get(timeout=timeout) if timeout else self._inbox.get_nowait()
@@ -537,6 +544,8 @@ class ModelEngine:
                 continue
             if isinstance(cmd, _Insert):
                 self._held.append(cmd)
+                if block and not live:
+                    timeout, gather_until = self._burst_wait(gather_until)
             elif isinstance(cmd, _Call):
                 try:
                     _settle(cmd.done, cmd.fn())
@@ -546,6 +555,15 @@ class ModelEngine:
                 self._cancel(gen, cmd, live, by_id, outbox)
         self._admit_held(gen, live, by_id, eos, no_stop)
         self.stats.waiting_requests = len(self._held)
+
+    def _burst_wait(self, until: float | None) -> tuple[float | None, float]:
+        """After an insert to an idle engine: how long to wait for the next one of its
+        burst (None: take what has come and start), and when the wait ends."""
+        now = time.monotonic()
+        if until is None:
+            until = now + self.settings.burst_wait_s
+        left = min(self.settings.burst_gap_s, until - now)
+        return (left if left > 0 else None), until
 
     def _admit_held(self, gen, live, by_id, eos, no_stop) -> None:
         while self._held and len(live) < max(1, self.batch_cap):

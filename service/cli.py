@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stream-interval-ms", type=float, default=2.0,
                    help="send steady token chunks at most this often; first tokens and "
                    "ends go at once; 0 sends every token (default: %(default)s)")
+    s.add_argument("--burst-wait-ms", type=float, default=10.0,
+                   help="an idle model's first request waits while more follow within 1 ms "
+                   "of each other, up to this long, so a burst is prefilled together; 0 "
+                   "starts each at once (default: %(default)s)")
     s.add_argument("--max-queued-requests", type=int, default=256,
                    help="most requests in flight before RESOURCE_EXHAUSTED "
                    "(default: %(default)s)")
@@ -424,7 +428,8 @@ def _serve(args) -> int:
                               fast_decode_dense=args.fast_decode_dense,
                               compiled_decode=args.compiled_decode,
                               fast_decode_kernel=args.decode_kernel,
-                              stream_interval_s=max(0.0, args.stream_interval_ms) / 1000),
+                              stream_interval_s=max(0.0, args.stream_interval_ms) / 1000,
+                              burst_wait_s=max(0.0, args.burst_wait_ms) / 1000),
         telemetry=TelemetrySettings(otlp_endpoint=args.otlp_endpoint),
         metrics_host=args.metrics_host,
         metrics_port=args.metrics_port,

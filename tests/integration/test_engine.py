@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 
 from engine.errors import Internal, Unavailable
-from engine.model_engine import ModelEngine
+from engine.model_engine import EngineSettings, ModelEngine
 from engine.request import Chunk, Failed, Finished, GenerationRequest
 
 
@@ -114,3 +114,45 @@ async def test_an_early_first_token_leaves_the_output_unchanged(demo_path):
     finally:
         await asyncio.wrap_future(engine.stop())
     assert info is not None
+
+
+@pytest.mark.parametrize("wait_s,together", [(0.5, True), (0.0, False)])
+async def test_an_idle_engine_takes_a_burst_that_arrives_over_a_few_ms_as_one_batch(
+        demo_path, monkeypatch, wait_s, together):
+    """Requests an event loop hands over one at a time, a few ms apart: an idle engine
+    inserts them all before its first step (one prefill), or, with the wait off, starts
+    on the first at once. (A wider gap than the default's 1 ms keeps a busy machine's
+    scheduling out of the test.)"""
+    settings = EngineSettings(burst_wait_s=wait_s, burst_gap_s=0.05)
+    engine = ModelEngine("tiny", str(demo_path), asyncio.get_running_loop(), settings)
+    await asyncio.wrap_future(engine.start())
+    seen: list[str] = []
+    real_insert, real_next = BatchGenerator.insert, BatchGenerator.next
+
+    def insert(self, *a, **kw):
+        seen.append("insert")
+        return real_insert(self, *a, **kw)
+
+    def step(self):
+        if not seen or seen[-1] != "step":
+            seen.append("step")
+        return real_next(self)
+
+    monkeypatch.setattr(BatchGenerator, "insert", insert)
+    monkeypatch.setattr(BatchGenerator, "next", step)
+    sinks = [asyncio.Queue() for _ in range(4)]
+    try:
+        for i, sink in enumerate(sinks):
+            engine.submit(GenerationRequest(f"r{i}", "tiny", [5, 6, 7 + i], max_tokens=2,
+                                            ignore_eos=True), sink)
+            await asyncio.sleep(0.005)
+        for sink in sinks:
+            events = [await asyncio.wait_for(sink.get(), 30)]
+            while not isinstance(events[-1], Finished | Failed):
+                events.append(await asyncio.wait_for(sink.get(), 30))
+            assert isinstance(events[-1], Finished)
+    finally:
+        await asyncio.wrap_future(engine.stop())
+    first_step = seen.index("step")
+    assert (seen[:first_step] == ["insert"] * 4) is together, seen
+
