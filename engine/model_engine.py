@@ -544,6 +544,9 @@ class ModelEngine:
                 continue
             if isinstance(cmd, _Insert):
                 self._held.append(cmd)
+                # Counted at once: a burst's first request may wait here (below), and
+                # an unload must still see it.
+                self.stats.waiting_requests = len(self._held)
                 if block and not live:
                     timeout, gather_until = self._burst_wait(gather_until)
             elif isinstance(cmd, _Call):
