@@ -688,7 +688,7 @@ def _from_numpy(shape: tuple[int, ...], dtype: mx.Dtype,
                 write: Callable[[np.ndarray], None]) -> mx.array:
     """A new MLX array whose values `write` puts into a NumPy view of its buffer. The
     buffer comes from MLX's cache, reused layer after layer; a NumPy array of its own
-    would be fresh pages each time (first touches are page faults, ~0.5 ms a MiB on this
+    would be fresh pages each time (first touches are page faults, ~0.3 ms a MiB on this
     machine's virtual CPUs) and then copied into MLX."""
     result = mx.zeros(shape, dtype)
     mx.eval(result)
