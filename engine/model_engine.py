@@ -73,9 +73,12 @@ class EngineSettings:
     # An idle engine's first request waits while others follow within burst_gap_s of the
     # one before, at most burst_wait_s in all: the event loop hands a burst over one call
     # at a time, and prefilled apart its first requests delay all the others. 0 starts
-    # each at once.
+    # each at once. After burst_lone_starts idle starts in a row that no other request
+    # followed within burst_gap_s, it stops waiting (lone requests, one after another,
+    # pay nothing) until one does again.
     burst_wait_s: float = 0.010
     burst_gap_s: float = 0.001
+    burst_lone_starts: int = 8
     # Prefill chunks of bf16/fp16/quantized models through float32 and the optimized BLAS,
     # one layer converted at a time (engine/fast_prefill.py); False keeps the stock path.
     fast_prefill: bool = True
@@ -149,6 +152,7 @@ class EngineStats:
     idle_reclaims: int = 0  # idle-reclaim flags consumed
     pressure_reclaims: int = 0  # pressure-reclaim flags consumed
     stores_skipped: int = 0  # finish hooks skipped because the store gate was full
+    burst_waits: int = 0  # idle starts that waited for the rest of a burst
 
 
 @dataclass(frozen=True)
@@ -199,6 +203,7 @@ class _Insert:
     sink: asyncio.Queue
     cache: list[Any] | None = None
     cached_tokens: int = 0
+    submitted_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -278,6 +283,10 @@ class ModelEngine:
         # Finished requests whose KV is being stored; the enforcer walks its cap.
         self.store_gate = StoreCacheGate(self.settings.max_num_seqs)
         self._held: list[_Insert] = []
+        # Idle starts in a row that no request followed within burst_gap_s, and when the
+        # last insert was submitted (engine thread only).
+        self._lone_starts = 0
+        self._last_submit_at = float("-inf")
         self.prefill_planner: PrefillPlanner | None = None
         # Called on the engine thread after a pre-chunk abort ended a request.
         self.on_prefill_abort: Callable[[PrefillAbortReport], None] | None = None
@@ -548,7 +557,9 @@ class ModelEngine:
                 # an unload must still see it.
                 self.stats.waiting_requests = len(self._held)
                 if block and not live:
-                    timeout, gather_until = self._burst_wait(gather_until)
+                    timeout, gather_until = self._burst_wait(cmd, gather_until)
+                else:
+                    self._note_submit(cmd)
             elif isinstance(cmd, _Call):
                 try:
                     _settle(cmd.done, cmd.fn())
@@ -559,12 +570,25 @@ class ModelEngine:
         self._admit_held(gen, live, by_id, eos, no_stop)
         self.stats.waiting_requests = len(self._held)
 
-    def _burst_wait(self, until: float | None) -> tuple[float | None, float]:
+    def _note_submit(self, cmd: _Insert) -> None:
+        """A request submitted within burst_gap_s of the one before is part of a burst:
+        idle starts wait for company again."""
+        if cmd.submitted_at - self._last_submit_at <= self.settings.burst_gap_s:
+            self._lone_starts = 0
+        self._last_submit_at = cmd.submitted_at
+
+    def _burst_wait(self, cmd: _Insert, until: float | None) -> tuple[float | None, float]:
         """After an insert to an idle engine: how long to wait for the next one of its
         burst (None: take what has come and start), and when the wait ends."""
         now = time.monotonic()
+        if until is None:  # the idle start itself
+            self._lone_starts += 1
+        self._note_submit(cmd)
+        if self.settings.burst_wait_s <= 0 or self._lone_starts > self.settings.burst_lone_starts:
+            return None, now
         if until is None:
             until = now + self.settings.burst_wait_s
+            self.stats.burst_waits += 1
         left = min(self.settings.burst_gap_s, until - now)
         return (left if left > 0 else None), until
 

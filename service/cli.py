@@ -108,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "ends go at once; 0 sends every token (default: %(default)s)")
     s.add_argument("--burst-wait-ms", type=float, default=10.0,
                    help="an idle model's first request waits while more follow within 1 ms "
-                   "of each other, up to this long, so a burst is prefilled together; 0 "
-                   "starts each at once (default: %(default)s)")
+                   "of each other, up to this long, so a burst is prefilled together; "
+                   "after 8 lone requests in a row it waits no more until a burst comes "
+                   "again; 0 starts each at once (default: %(default)s)")
     s.add_argument("--max-queued-requests", type=int, default=256,
                    help="most requests in flight before RESOURCE_EXHAUSTED "
                    "(default: %(default)s)")

@@ -545,6 +545,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "server (repeatable; combines with --ab-env)",
     )
     p.add_argument(
+        "--ab-checkout",
+        default=None,
+        metavar="DIR",
+        help="like --ab-env, with the second server running this checkout's code (a "
+        "`git worktree` of another commit, say); combines with --ab-env and --ab-arg",
+    )
+    p.add_argument(
         "--server-env",
         action="append",
         default=[],
@@ -590,12 +597,16 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.ExitStack() as stack:
             servers = [stack.enter_context(serving(Path(tmp), *server_args, env=env,
                                                    timeout=300))]
-            if args.ab_env or args.ab_arg:
+            if args.ab_env or args.ab_arg or args.ab_checkout:
                 b_env = {**env, **dict(item.split("=", 1) for item in args.ab_env)}
+                b_cwd = Path(args.ab_checkout).resolve() if args.ab_checkout else ROOT
                 servers.append(stack.enter_context(serving(
-                    Path(tmp), *server_args, *args.ab_arg, env=b_env, timeout=300)))
+                    Path(tmp), *server_args, *args.ab_arg, env=b_env, timeout=300,
+                    cwd=b_cwd)))
+                b_what = [*args.ab_env, *args.ab_arg,
+                          *([f"code of {args.ab_checkout}"] if args.ab_checkout else [])]
                 labels = ["A (" + (" ".join(args.server_env) or "as is") + ")",
-                          "B (" + " ".join(args.ab_env + args.ab_arg) + ")"]
+                          "B (" + " ".join(b_what) + ")"]
             result = asyncio.run(bench(args, baseline, servers, prompts))
 
     all_rows: list[list[Row]] = result["rows"]
@@ -653,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
             "server_env": args.server_env,
             "ab_env": args.ab_env,
             "ab_arg": args.ab_arg,
+            "ab_checkout": args.ab_checkout,
             "ab_rows": [asdict(r) for r in all_rows[1]] if len(all_rows) > 1 else [],
             "ab_tok_s_ratio": {str(a.streams): ab_ratio(a, b)
                                for a, b in zip(all_rows[0], all_rows[-1], strict=True)}

@@ -156,3 +156,35 @@ async def test_an_idle_engine_takes_a_burst_that_arrives_over_a_few_ms_as_one_ba
     first_step = seen.index("step")
     assert (seen[:first_step] == ["insert"] * 4) is together, seen
 
+
+async def test_lone_requests_in_a_row_stop_the_burst_wait_until_a_burst_comes(demo_path):
+    """With the defaults: an idle engine waits for company at its first
+    burst_lone_starts lone starts, then starts lone requests at once; two requests
+    submitted together (within the default 1 ms) make the next idle start wait again."""
+    engine = ModelEngine("tiny", str(demo_path), asyncio.get_running_loop())
+    lone = engine.settings.burst_lone_starts
+    await asyncio.wrap_future(engine.start())
+
+    async def run(*names: str) -> None:
+        sinks = [asyncio.Queue() for _ in names]
+        for name, sink in zip(names, sinks, strict=True):
+            engine.submit(GenerationRequest(name, "tiny", [5, 6, 7], max_tokens=2,
+                                            ignore_eos=True), sink)
+        for sink in sinks:
+            event = await asyncio.wait_for(sink.get(), 30)
+            while not isinstance(event, Finished | Failed):
+                event = await asyncio.wait_for(sink.get(), 30)
+            assert isinstance(event, Finished)
+        await asyncio.sleep(0.02)  # apart by far more than burst_gap_s
+
+    try:
+        for i in range(lone + 3):
+            await run(f"lone-{i}")
+        assert engine.stats.burst_waits == lone
+        await run("pair-0", "pair-1")
+        assert engine.stats.burst_waits == lone  # lone starts still: no wait for the pair
+        await run("after-pair")
+        assert engine.stats.burst_waits == lone + 1
+    finally:
+        await asyncio.wrap_future(engine.stop())
+

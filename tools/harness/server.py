@@ -150,10 +150,11 @@ def wait_all_serving(servers: list[ServerProcess], timeout: float = 180) -> None
 
 @contextmanager
 def serving(log_dir: Path, *args: str, env: dict | None = None,
-            prefix: list[str] | None = None, timeout: float = 180) -> Iterator[ServerProcess]:
+            prefix: list[str] | None = None, timeout: float = 180,
+            cwd: Path = ROOT) -> Iterator[ServerProcess]:
     """A SERVING server for the duration of the block, stopped after it; when the block
     raises, the tail of the server's log goes to stderr first."""
-    srv = start_server(log_dir, *args, env=env, prefix=prefix, timeout=timeout)
+    srv = start_server(log_dir, *args, env=env, prefix=prefix, timeout=timeout, cwd=cwd)
     try:
         yield srv
     except BaseException:
