@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "of each other, up to this long, so a burst is prefilled together; "
                    "after 8 lone requests in a row it waits no more until a burst comes "
                    "again; 0 starts each at once (default: %(default)s)")
+    s.add_argument("--mlx-pool-mb", type=int, default=512, metavar="MB",
+                   help="MLX keeps up to this much of freed buffers for reuse, at most "
+                   "1/16 of the memory ceiling, so a prefill's transients are not faulted "
+                   "in afresh layer after layer; emptied when a model's batch drains and "
+                   "under pressure; 0 leaves MLX's own limit (default: %(default)s)")
     s.add_argument("--max-queued-requests", type=int, default=256,
                    help="most requests in flight before RESOURCE_EXHAUSTED "
                    "(default: %(default)s)")
@@ -387,6 +392,8 @@ def _refuse_bad_serve_flags(args) -> None:
         raise CliError(f"--unready-hold-seconds must be >= 0, got {args.unready_hold_seconds}")
     if args.drain_seconds < 0:
         raise CliError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
+    if args.mlx_pool_mb < 0:
+        raise CliError(f"--mlx-pool-mb must be >= 0, got {args.mlx_pool_mb}")
 
 
 def _serve(args) -> int:
@@ -439,6 +446,7 @@ def _serve(args) -> int:
         agent_host=args.agent_host,
         agent_port=args.agent_port,
         unready_hold_s=args.unready_hold_seconds,
+        mlx_pool_bytes=args.mlx_pool_mb * MiB,
     )
     config.memory = memory
     config.access = access

@@ -92,6 +92,9 @@ class ServerConfig:
     agent_host: str = "127.0.0.1"
     agent_port: int | None = None  # HAProxy agent check (service.agent_check); None: off
     unready_hold_s: float = DEFAULT_HOLD_S  # below hard this long before SERVING again
+    # MLX may keep this much of freed buffers for reuse (engine/allocator.py), within
+    # its share of the ceiling; 0 leaves MLX's own limit.
+    mlx_pool_bytes: int = allocator.MLX_POOL_BYTES
 
 
 class _MethodAwarePool:
@@ -304,6 +307,7 @@ class PlimsollServer:
             self.metrics_server = start_metrics_server(self.config.metrics_host,
                                                        self.config.metrics_port)
         await svc.governor.tick()  # a first snapshot before anyone subscribes
+        self._size_mlx_pool()
         await self._start_readiness()
         if self.config.http_port is not None:
             await self._start_web(control)
@@ -314,6 +318,16 @@ class PlimsollServer:
         log.log(logging.WARNING if using.problem else logging.INFO, "BLAS: %s", using.summary())
         log.info("listening on %s:%d", self.config.host, self.port)
         return self.port
+
+    def _size_mlx_pool(self) -> None:
+        if self.config.mlx_pool_bytes <= 0:
+            return
+        limits = self.service.governor.limits
+        wanted = allocator.mlx_pool_bytes(self.config.mlx_pool_bytes,
+                                          limits.ceiling_bytes if limits else None)
+        kept = allocator.raise_mlx_pool(wanted)
+        log.info("MLX buffer pool: up to %d MiB of freed buffers kept for reuse",
+                 kept >> 20)
 
     async def _start_web(self, control: ControlServicer) -> None:
         # Imported here: without --http-port no HTTP server is loaded, let alone started.

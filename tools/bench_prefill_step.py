@@ -7,13 +7,17 @@ whole heads a block where they are small against one head a block; `--compare
 numpy-output`, the NumPy SwiGLU writing into an MLX buffer against into an array of its
 own, copied into MLX after; `--compare idle`, a chunk after the process has been idle
 (`--idle` seconds, as a request that comes after a pause) against one right after another
-chunk.
+chunk; `--compare kept-cache`, a chunk with MLX's buffer cache kept from the chunk before
+against one after emptying it (as the served engine does when its batch drains);
+`--compare mlx-pool`, a chunk with MLX's buffer pool at `--mlx-pool-mb` (the server's
+default) against MLX's own limit (32 MiB on Linux CPU).
 
     python -m tools.bench_prefill_step --models small-fp32,medium-fp32,small --tokens 255
     python -m tools.bench_prefill_step --compare numpy-threads --rounds 24
     python -m tools.bench_prefill_step --compare head-blocks --batch 8 --tokens 47
     python -m tools.bench_prefill_step --compare numpy-output --clear-cache
     OPENBLAS_THREAD_TIMEOUT=20 python -m tools.bench_prefill_step --compare idle
+    python -m tools.bench_prefill_step --compare mlx-pool --clear-cache --batch 8
 
 The model is loaded as the server loads it (the optimized BLAS first, the fast prefill
 and the compiled decode ops installed); a chunk is `model(tokens, cache)` on a fresh
@@ -43,15 +47,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=8, help="rounds per side, alternating")
     p.add_argument("--compare", default="rope-table",
                    choices=("rope-table", "numpy-threads", "head-blocks", "numpy-output",
-                            "idle"))
+                            "idle", "kept-cache", "mlx-pool"))
     p.add_argument("--idle", type=float, default=2.0,
                    help="seconds idle before an 'on' chunk of --compare idle")
+    p.add_argument("--mlx-pool-mb", type=int, default=allocator.MLX_POOL_BYTES >> 20,
+                   help="MLX's buffer pool as the server sets it (default: %(default)s; "
+                   "0: MLX's own)")
     p.add_argument("--clear-cache", action="store_true",
                    help="empty MLX's buffer cache before each measured chunk")
     args = p.parse_args(argv)
     print(f"BLAS: {blas.preload().description}", flush=True)
     allocator.release_large_allocations_on_free()  # as the server does
     import mlx.core as mx
+
+    mlx_own = mx.set_cache_limit(0)
+    mx.set_cache_limit(mlx_own)
+    pool = allocator.raise_mlx_pool(args.mlx_pool_mb << 20) if args.mlx_pool_mb else mlx_own
+    print(f"MLX buffer pool: {pool >> 20} MiB (MLX's own: {mlx_own >> 20} MiB)", flush=True)
     from mlx_lm.models.cache import make_prompt_cache
 
     from engine import compiled_decode, fast_prefill, rope_table
@@ -73,8 +85,11 @@ def main(argv: list[str] | None = None) -> int:
 
         def off(n, s_len):
             return 1
-    elif args.compare == "idle":
-        target, name, off = None, "", None  # "on": a pause before the chunk; "off": none
+    elif args.compare in ("idle", "kept-cache", "mlx-pool"):
+        # idle: "on" pauses before the chunk, "off" does not; kept-cache: "on" keeps MLX's
+        # buffer cache from the chunk before, "off" empties it (as the served engine
+        # does when its batch drains); mlx-pool: "on" the pool above, "off" MLX's own
+        target, name, off = None, "", None
     else:
         import numpy as np
 
@@ -116,8 +131,10 @@ def main(argv: list[str] | None = None) -> int:
                 on = (r % 4) in (0, 3)
                 if target is not None:
                     setattr(target, name, on_fn if on else off)
+                if args.compare == "mlx-pool":
+                    mx.set_cache_limit(pool if on else mlx_own)
                 chunk()  # warm: tables, threads, buffers
-                if args.clear_cache:
+                if args.clear_cache or (args.compare == "kept-cache" and not on):
                     mx.clear_cache()
                 if args.compare == "idle" and on:
                     time.sleep(args.idle)
@@ -127,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if target is not None:
                 setattr(target, name, on_fn)
+            mx.set_cache_limit(pool)
             fast_prefill.uninstall(plan)
         a, b = statistics.median(times[False]), statistics.median(times[True])
         equal = all(mx.array_equal(x, y).item()
