@@ -429,9 +429,10 @@ class ModelEngine:
         self.loaded.set_result(info.facts())
         live: dict[int, _Live] = {}
         by_id: dict[str, _Live] = {}
+        outbox: list[tuple[asyncio.Queue, Event]] = []
         try:
             while not self._stop:
-                outbox: list[tuple[asyncio.Queue, Event]] = []
+                outbox = []
                 self._drain_inbox(gen, live, by_id, outbox, eos, no_stop,
                                   block=not live and not self._held)
                 if live and not self._stop:
@@ -445,11 +446,19 @@ class ModelEngine:
                         # expect memory to return to its baseline between bursts).
                         mx.clear_cache()
                 self._deliver(outbox, flush=not live)
+                outbox = []
                 self._step_boundary(bool(live))
+        except Exception:  # noqa: BLE001 - outside a step: end every request, then stop
+            log.exception("engine thread of %s failed; its requests were ended and the "
+                          "model is unloaded", self.model_id)
+            self._stop_error = self._stop_error or Internal(
+                f"the engine of model '{self.model_id}' failed; the request was ended and "
+                "the model was unloaded", reason=ENGINE_ERROR, retry_after_s=1.0)
         finally:
             held = mx.get_active_memory()
             err = self._stop_error or Unavailable(f"model {self.model_id} stopped")
-            outbox = [(item.sink, Failed(err)) for item in live.values()]
+            # Events of the iteration that failed, not yet delivered, go out first.
+            outbox = [*outbox, *((item.sink, Failed(err)) for item in live.values())]
             outbox += [(h.sink, Failed(err)) for h in self._held]
             self._held.clear()
             self._close_inbox(err, outbox)
@@ -464,7 +473,10 @@ class ModelEngine:
             del gen, eos, no_stop
             self.info = None
             del info  # the last reference: the model's arrays go with it
-            self._free_memory()
+            try:
+                self._free_memory()
+            except Exception:  # noqa: BLE001 - whoever waits on `stopped` is told anyway
+                log.exception("freeing the memory of %s failed", self.model_id)
             self.stats = self._final_stats()
             self._sample = self._read_sample()
             self.stopped.set_result(max(0, held - mx.get_active_memory()))

@@ -7,6 +7,7 @@ thread (`engine.model_engine`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -369,8 +370,27 @@ class ModelPool:
             span.set_attribute(names.ATTR_BYTES_AFTER, entry.measured_bytes)
         log.info("loaded %s from %s (%d bytes)", entry.model_id, entry.source,
                  entry.measured_bytes)
+        engine.stopped.add_done_callback(lambda _: self._from_thread(
+            self._engine_stopped, entry, engine))
         self._notify()
         return entry
+
+    def _from_thread(self, fn: Callable[..., None], *args: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _engine_stopped(self, entry: ModelEntry, engine: ModelEngine) -> None:
+        """An engine that stopped while its model was READY failed on its own thread
+        (an unload changes the state first, a close the pool's): the model is unloaded, so a
+        request naming it gets NOT_LOADED and a load starts it again."""
+        if self._closed or entry.engine is not engine or entry.state != ModelState.READY:
+            return
+        log.error("model %s was unloaded: its engine stopped on its own", entry.model_id)
+        entry.engine = None
+        entry.state = ModelState.UNLOADED
+        entry.in_use = 0
+        entry.pending_unload_reason = ""
+        self._notify()
 
     async def unload(self, model_id: str, force: bool = False,
                      reason: str = "requested") -> UnloadResult:

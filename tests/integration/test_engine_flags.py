@@ -20,7 +20,7 @@ import mlx.core as mx
 import pytest
 
 from engine.demo_models import ensure_demo_model
-from engine.errors import Aborted, Unavailable
+from engine.errors import Aborted, FailedPrecondition, Unavailable
 from engine.model_engine import (
     EngineSettings,
     FinishHook,
@@ -169,6 +169,39 @@ async def test_a_pending_unload_refuses_new_work_and_unloads_once_idle(tiny):
 
         await until(lambda: entry.state == ModelState.UNLOADED)
         assert entry.engine is None and not entry.pending_unload_reason
+    finally:
+        await pool.close()
+
+
+async def test_an_engine_that_fails_outside_a_step_ends_its_requests_and_is_unloaded(
+        tiny, monkeypatch):
+    """An unforeseen exception on the engine thread outside a step (injected here as the
+    thread hands a finished request's events to the loop) strands no client and leaves
+    no dead model READY: the request still gets its end, the pool unloads the model, and
+    a load serves it again."""
+    pool = ModelPool(asyncio.get_running_loop())
+    try:
+        entry = await asyncio.wait_for(pool.load(str(tiny), "m"), WAIT_S)
+        real = ModelEngine._deliver
+        failed: list[bool] = []
+
+        def deliver_failing_once(self, outbox, flush) -> None:
+            if not failed and any(isinstance(e, Finished) for _, e in outbox):
+                failed.append(True)
+                raise RuntimeError("injected")
+            real(self, outbox, flush)
+
+        monkeypatch.setattr(ModelEngine, "_deliver", deliver_failing_once)
+        assert isinstance(await last_event(submit(entry.engine, "r", 3)), Finished)
+        assert failed
+        await until(lambda: entry.state == ModelState.UNLOADED)
+        assert entry.engine is None
+        with pytest.raises(FailedPrecondition):
+            pool.ready("m")
+        monkeypatch.undo()
+
+        entry = await asyncio.wait_for(pool.load(str(tiny), "m"), WAIT_S)
+        assert isinstance(await last_event(submit(entry.engine, "r2", 3)), Finished)
     finally:
         await pool.close()
 
