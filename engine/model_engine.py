@@ -94,6 +94,9 @@ class EngineSettings:
     # A decode step's RoPE and RMSNorm as fused MLX kernels (Linux CPU, engine/compiled_decode.py);
     # the same logits, fewer operations per step. False keeps the stock ops.
     compiled_decode: bool = True
+    # MLX may keep this much of freed buffers for reuse (engine/allocator.py; the server
+    # sizes it to the ceiling at start). Process-wide and raised only: 0 leaves it as is.
+    mlx_pool_bytes: int = 0
 
 
 def _stop_sequences(req: GenerationRequest, eos: StopSequences, no_stop: StopSequences,
@@ -413,6 +416,8 @@ class ModelEngine:
     # -- the engine thread ----------------------------------------------------------
     def _run(self) -> None:
         self._device = _device_limit()
+        if self.settings.mlx_pool_bytes > 0:
+            allocator.raise_mlx_pool(self.settings.mlx_pool_bytes)
         self._early_first_token = mx.default_device().type == mx.DeviceType.cpu
         before = mx.get_active_memory()
         try:

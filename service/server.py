@@ -320,14 +320,16 @@ class PlimsollServer:
         return self.port
 
     def _size_mlx_pool(self) -> None:
+        """Before any model loads: each engine thread raises MLX's pool to this as it
+        starts (MLX is touched on engine threads only)."""
         if self.config.mlx_pool_bytes <= 0:
             return
         limits = self.service.governor.limits
         wanted = allocator.mlx_pool_bytes(self.config.mlx_pool_bytes,
                                           limits.ceiling_bytes if limits else None)
-        kept = allocator.raise_mlx_pool(wanted)
-        log.info("MLX buffer pool: up to %d MiB of freed buffers kept for reuse",
-                 kept >> 20)
+        self.service.pool.settings.mlx_pool_bytes = wanted
+        log.info("MLX buffer pool: up to %d MiB of freed buffers kept for reuse (MLX's "
+                 "own limit where it is larger)", wanted >> 20)
 
     async def _start_web(self, control: ControlServicer) -> None:
         # Imported here: without --http-port no HTTP server is loaded, let alone started.

@@ -3,13 +3,14 @@
 MLX keeps freed buffers for reuse only up to its cache limit, 32 MiB on Linux CPU, so a
 batch's prefill transients went back to the system and came back as fresh pages layer
 after layer. The server raises the limit at start (512 MiB by default, at most 1/16 of
-the memory ceiling), never lowers a larger one, and leaves MLX's own with
-`--mlx-pool-mb 0`. What it buys is measured by `tools.bench_prefill_step --compare
+the memory ceiling; each engine thread applies it as it starts), never lowers a larger
+one, and leaves MLX's own with `--mlx-pool-mb 0`. What it buys is measured by `tools.bench_prefill_step --compare
 mlx-pool` (docs/benchmarks.md), not here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import resource
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ import mlx.core as mx
 import pytest
 
 from engine import allocator
+from engine.model_engine import EngineSettings, ModelEngine
 from tools.harness.server import start_server
 
 MiB = 1 << 20
@@ -28,8 +30,7 @@ POOL_LINE = re.compile(r"MLX buffer pool: up to (\d+) MiB")
 
 @pytest.fixture
 def restore_pool() -> Iterator[int]:
-    own = mx.set_cache_limit(0)
-    mx.set_cache_limit(own)
+    own = _pool_limit()
     try:
         yield own
     finally:
@@ -69,6 +70,24 @@ def test_a_larger_limit_than_ours_stays(restore_pool):
     mx.set_cache_limit(4 << 30)  # as Metal's default is: the device's memory
     assert allocator.raise_mlx_pool(allocator.MLX_POOL_BYTES) == 4 << 30
     assert mx.set_cache_limit(4 << 30) == 4 << 30
+
+
+def _pool_limit() -> int:
+    own = mx.set_cache_limit(0)
+    mx.set_cache_limit(own)
+    return own
+
+
+async def test_an_engine_raises_the_pool_on_its_own_thread_as_it_starts(demo_path,
+                                                                        restore_pool):
+    mx.set_cache_limit(32 * MiB)
+    engine = ModelEngine("tiny", str(demo_path), asyncio.get_running_loop(),
+                         EngineSettings(mlx_pool_bytes=256 * MiB))
+    await asyncio.wrap_future(engine.start())
+    try:
+        assert await asyncio.wrap_future(engine.call(_pool_limit)) == 256 * MiB
+    finally:
+        await asyncio.wrap_future(engine.stop())
 
 
 def test_the_pool_is_at_most_its_share_of_the_ceiling():
