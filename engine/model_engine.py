@@ -584,7 +584,7 @@ class ModelEngine:
                     _fail(cmd.done, exc)
             else:
                 self._cancel(gen, cmd, live, by_id, outbox)
-        self._admit_held(gen, live, by_id, eos, no_stop)
+        self._admit_held(gen, live, by_id, outbox, eos, no_stop)
         self.stats.waiting_requests = len(self._held)
 
     def _note_submit(self, cmd: _Insert) -> None:
@@ -609,18 +609,28 @@ class ModelEngine:
         left = min(self.settings.burst_gap_s, until - now)
         return (left if left > 0 else None), until
 
-    def _admit_held(self, gen, live, by_id, eos, no_stop) -> None:
+    def _admit_held(self, gen, live, by_id, outbox, eos, no_stop) -> None:
         while self._held and len(live) < max(1, self.batch_cap):
-            self._insert(gen, self._held.pop(0), live, by_id, eos, no_stop)
+            cmd = self._held.pop(0)
+            try:
+                args = self._insert_args(cmd, eos, no_stop)
+            except Exception:  # noqa: BLE001 - this request ends; the batch goes on
+                log.exception("request %s could not be inserted on %s",
+                              cmd.request.request_id, self.model_id)
+                outbox.append((cmd.sink, Failed(Internal(
+                    f"the request could not be started on model '{self.model_id}'; the "
+                    "model keeps serving", reason=ENGINE_ERROR))))
+                continue
+            self._insert(gen, cmd, args, live, by_id)
 
-    def _insert(self, gen, cmd: _Insert, live, by_id, eos, no_stop) -> None:
+    def _insert_args(self, cmd: _Insert, eos, no_stop) -> dict[str, Any]:
+        """What `BatchGenerator.insert` takes for one request; made apart, so that a
+        request whose parts fail ends alone before the batch is touched."""
         req = cmd.request
-        tokens = req.prompt_tokens[cmd.cached_tokens :]
         # A quantized bank snapshot is dequantized into fresh caches here (the batch
         # cannot merge quantized ones); the bank keeps its quantized copy.
         cache = kv_snapshot.thaw(cmd.cache) if cmd.cache is not None else None
-        (uid,) = gen.insert(
-            [tokens],
+        return dict(
             max_tokens=[req.max_tokens],
             caches=[cache] if cache is not None else None,
             all_tokens=[req.prompt_tokens[: cmd.cached_tokens]],
@@ -629,6 +639,10 @@ class ModelEngine:
             stop_sequences=[_stop_sequences(req, eos, no_stop,
                                             self.info.tokenizer.eos_token_ids)],
         )
+
+    def _insert(self, gen, cmd: _Insert, args: dict[str, Any], live, by_id) -> None:
+        req = cmd.request
+        (uid,) = gen.insert([req.prompt_tokens[cmd.cached_tokens :]], **args)
         item = _Live(
             request=req,
             sink=cmd.sink,

@@ -19,6 +19,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from engine import model_engine
 from engine.demo_models import ensure_demo_model
 from engine.errors import Aborted, FailedPrecondition, Unavailable
 from engine.model_engine import (
@@ -204,6 +205,28 @@ async def test_an_engine_that_fails_outside_a_step_ends_its_requests_and_is_unlo
         assert isinstance(await last_event(submit(entry.engine, "r2", 3)), Finished)
     finally:
         await pool.close()
+
+
+async def test_a_request_whose_insert_fails_ends_alone_and_the_model_keeps_serving(
+        tiny, monkeypatch):
+    """A request whose parts cannot be made on the engine thread (injected: its stop
+    sequences) ends ENGINE_ERROR before the batch is touched; the request beside it and
+    the next one finish."""
+    real = model_engine._stop_sequences
+
+    def stop_sequences(req, *args):
+        if req.request_id == "bad":
+            raise RuntimeError("injected")
+        return real(req, *args)
+
+    monkeypatch.setattr(model_engine, "_stop_sequences", stop_sequences)
+    async with running_engine(tiny) as engine:
+        ok, bad = submit(engine, "ok", 4), submit(engine, "bad", 4)
+        failed = await last_event(bad)
+        assert isinstance(failed, Failed) and failed.error.reason == "ENGINE_ERROR"
+        assert isinstance(await last_event(ok), Finished)
+        assert isinstance(await last_event(submit(engine, "next", 4)), Finished)
+        assert engine.thread.is_alive()
 
 
 async def test_a_pending_unload_waits_for_sequences_nobody_holds(tiny):
