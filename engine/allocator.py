@@ -26,7 +26,7 @@ MMAP_THRESHOLD_BYTES = 1 << 20
 # and at most 1/MLX_POOL_CEILING_SHARE of the memory ceiling. The governor counts the
 # pool as reclaimable, and an engine empties it whenever its batch drains.
 MLX_POOL_BYTES = 512 << 20
-MLX_POOL_CEILING_SHARE = 16
+MLX_POOL_CEILING_SHARE = 32
 
 
 def _libc():

@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "again; 0 starts each at once (default: %(default)s)")
     s.add_argument("--mlx-pool-mb", type=int, default=512, metavar="MB",
                    help="MLX keeps up to this much of freed buffers for reuse, at most "
-                   "1/16 of the memory ceiling, so a prefill's transients are not faulted "
+                   "1/32 of the memory ceiling, so a prefill's transients are not faulted "
                    "in afresh layer after layer; emptied when a model's batch drains and "
                    "under pressure; 0 leaves MLX's own limit (default: %(default)s)")
     s.add_argument("--max-queued-requests", type=int, default=256,

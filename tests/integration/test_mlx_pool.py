@@ -2,7 +2,7 @@
 
 MLX keeps freed buffers for reuse only up to its cache limit, 32 MiB on Linux CPU, so a
 batch's prefill transients went back to the system and came back as fresh pages layer
-after layer. The server raises the limit at start (512 MiB by default, at most 1/16 of
+after layer. The server raises the limit at start (512 MiB by default, at most 1/32 of
 the memory ceiling; each engine thread applies it as it starts), never lowers a larger
 one, and leaves MLX's own with `--mlx-pool-mb 0`. What it buys is measured by `tools.bench_prefill_step --compare
 mlx-pool` (docs/benchmarks.md), not here.
