@@ -217,6 +217,13 @@ def demo_variant_path(size: str, variant: str,
     return demo_model_path(size, cache_dir).with_name(f"{_spec(size).folder_name}-{variant}")
 
 
+def ensure_demo(name: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """A demo model named as the benchmarks name them: SIZE, or SIZE-VARIANT."""
+    size, _, variant = name.partition("-")
+    return (ensure_demo_variant(size, variant, cache_dir) if variant
+            else ensure_demo_model(size, cache_dir))
+
+
 def ensure_demo_variant(size: str, variant: str,
                         cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Make the demo model of this size, then once its `variant` with mlx_lm's convert

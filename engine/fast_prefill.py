@@ -30,7 +30,7 @@ and SwiGLU in NumPy too (MLX's CPU sigmoid is as slow as its exp): 1.2-2x faster
 on the demo models.
 
 In the model's last block a prefill chunk's products, attention and SwiGLU stay MLX's lazy
-operations (`_LastBlock`): mlx-lm evaluates only a chunk's cache, so there they would
+operations (engine/last_block.py): mlx-lm evaluates only a chunk's cache, so there they would
 compute a query, an attention and an MLP that nobody reads (5-16 % of a float32 prefill,
 4-27 % of a bfloat16 or 4-bit one on the demo models).
 
@@ -101,7 +101,7 @@ import numpy as np
 from mlx_lm.models import activations as _mlx_activations
 from mlx_lm.models import base as _mlx_base
 
-from engine import blas, shim_decode
+from engine import blas, last_block, shim_decode
 from memory.chunking import ConversionTransient
 
 HALF = (mx.bfloat16, mx.float16)
@@ -164,7 +164,9 @@ class FastPrefill:
     converted: int = 0  # layer products run in float32 (the engine thread counts them)
     through_kernel: int = 0  # prefill chunks' layer products run through the kernels
     in_numpy: int = 0  # attention and SwiGLU passes run in NumPy (likewise)
-    last_block: weakref.ref | None = field(default=None, repr=False)  # `_LastBlock`
+    # The last block, while its products of a prefill chunk stay lazy (`_mark_last_block`).
+    last_block: weakref.ref | None = field(default=None, repr=False)
+    owns_last_mark: bool = False  # this plan marked it (and unmarks it at uninstall)
     # The wrapped layers, weakly: a plan kept after its model went never keeps it alive.
     wrapped: list[weakref.ref] = field(default_factory=list, repr=False)
 
@@ -218,16 +220,17 @@ def _kernel_product(m: nn.Module, view: mx.array, x: mx.array, plan: FastPrefill
     a prefill chunk's (min_tokens rows or more) evaluated now, as a conversion is, so what
     it holds is one layer's (`shim_decode.product_bytes`), never several layers' ahead."""
     y = shim_decode.product(m, view, x)
-    if not m._decode_only and _row_count(x) >= plan.min_tokens and not _in_last_block():
+    if not m._decode_only and _row_count(x) >= plan.min_tokens and not _in_last_block(plan):
         plan.through_kernel += 1
         mx.eval(y)
     return y
 
 
-def _in_last_block() -> bool:
-    """The calling thread is building the model's last block (`_LastBlock`): of a prefill
-    chunk there mlx-lm evaluates only the keys and values, so its products stay lazy."""
-    return getattr(_thread, "in_last_block", False)
+def _in_last_block(plan: FastPrefill) -> bool:
+    """The calling thread is building the model's last block for the cache only
+    (engine/last_block.py): of a prefill chunk there mlx-lm evaluates only the keys and
+    values, so its products stay lazy."""
+    return plan.last_block is not None and last_block.inside()
 
 
 def _row_count(x: mx.array) -> int:
@@ -247,7 +250,7 @@ def _product(x: mx.array, w32: mx.array, bias: mx.array | None, plan: FastPrefil
     """A prefill chunk's converted product, evaluated now so `w32` is freed before the
     next layer converts its weight; in the last block left lazy (`_in_last_block`)."""
     y = _float32_product(x, w32, bias)
-    if not _in_last_block():
+    if not _in_last_block(plan):
         plan.converted += 1
         mx.eval(y)
     return y
@@ -374,7 +377,7 @@ def _prefill_plan(x: mx.array, rows_axis: int) -> FastPrefill | None:
     plan: FastPrefill | None = getattr(_thread, "plan", None)
     if plan is None or not plan.enabled or x.dtype not in PREFILL_DTYPES or x.ndim < 3:
         return None
-    if _in_last_block():
+    if _in_last_block(plan):
         return None
     tokens = x.shape[rows_axis]
     if tokens < 2 or x.shape[0] * tokens < plan.min_tokens:
@@ -752,38 +755,21 @@ def _patch_modules(model: nn.Module) -> int:
 # prefill 1.19x faster, small 4-bit 1.13x, medium 4-bit 1.14x, medium bfloat16 1.04x.
 
 
-class _LastBlock:
-    """Mixin for the model's last transformer block (`_mark_last_block`)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        _thread.in_last_block = True
-        try:
-            return super().__call__(*args, **kwargs)  # type: ignore[misc]
-        finally:
-            _thread.in_last_block = False
-
-
-_LAST_BLOCK_CLASSES: dict[type, type] = {}  # block class -> its _LastBlock subclass
-
-
 def _mark_last_block(plan: FastPrefill, blocks: list[nn.Module]) -> None:
+    """Leaves the last block's products of a prefill chunk lazy (engine/last_block.py)."""
     if not blocks:
         return
-    last, cls = blocks[-1], type(blocks[-1])
-    if isinstance(last, _LastBlock):  # marked by an earlier plan: this one owns it now
-        plan.last_block = weakref.ref(last)
-        return
-    sub = _LAST_BLOCK_CLASSES.get(cls)
-    if sub is None:
-        sub = _LAST_BLOCK_CLASSES[cls] = type(f"Last{cls.__name__}", (_LastBlock, cls), {})
-    last.__class__ = sub
-    plan.last_block = weakref.ref(last)
+    plan.owns_last_mark = last_block.mark(blocks[-1]) or plan.owns_last_mark
+    plan.last_block = weakref.ref(blocks[-1])
 
 
 def _unmark_last_block(plan: FastPrefill) -> None:
-    last = plan.last_block() if plan.last_block is not None else None
-    if isinstance(last, _LastBlock):
-        last.__class__ = type(last).__mro__[2]  # (sub, _LastBlock, the block's class)
+    """The last block's products evaluated as every other block's; its class given back
+    when this plan marked it (the engine marks it at load for engine/final_chunk.py)."""
+    block = plan.last_block() if plan.last_block is not None else None
+    if block is not None and plan.owns_last_mark:
+        last_block.unmark(block)
+    plan.owns_last_mark = False
     plan.last_block = None
 
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from engine import allocator, compiled_decode, fast_prefill, kv_snapshot
+from engine import allocator, compiled_decode, fast_prefill, kv_snapshot, last_block
 from engine.demo_models import dtype_bytes
 from engine.errors import (
     ENGINE_ERROR,
@@ -35,6 +35,7 @@ from engine.errors import (
     PlimsollError,
     Unavailable,
 )
+from engine.final_chunk import FinalChunkGenerator
 from engine.loading import LoadedModel, ModelFacts, load_model
 from engine.request import (
     Chunk,
@@ -82,6 +83,9 @@ class EngineSettings:
     # Prefill chunks of bf16/fp16/quantized models through float32 and the optimized BLAS,
     # one layer converted at a time (engine/fast_prefill.py); False keeps the stock path.
     fast_prefill: bool = True
+    # A prompt's last token prefilled with its final chunk (engine/final_chunk.py), not
+    # as a decode step of its own as mlx-lm runs it: the first token one model pass sooner.
+    prefill_last_token: bool = True
     fast_prefill_min_tokens: int = 16  # rows (tokens x sequences) of a converted chunk
     # Decode through float32: "auto" (measured per model at load), "stock", "fp32"; for
     # quantized layers, and for cache-sized dense half-precision ones with fast_decode_dense.
@@ -279,6 +283,7 @@ class ModelEngine:
         self._stop_error: PlimsollError | None = None
         self.info: LoadedModel | None = None
         self.fast_prefill: fast_prefill.FastPrefill | None = None  # set at load
+        self.prefill_last_token = False  # set at load (engine/final_chunk.py)
         self.compiled_decode: compiled_decode.CompiledDecode | None = None  # set at load
         # How many sequences may hold KV at once; the enforcer walks it one step per
         # tick (down under pressure, back to max_num_seqs at ok). Inserts beyond it wait.
@@ -501,6 +506,15 @@ class ModelEngine:
         """The per-model decision (engine/fast_prefill.py), on the thread that runs the
         model; what it adds to a prefill goes to admission with the model's facts."""
         s = self.settings
+        # Marked before the fast path looks at it, which then leaves it marked.
+        why = (last_block.split_reason(info.model) if s.prefill_last_token
+               else "turned off by the settings")
+        if why is None:
+            last_block.mark(last_block.last_of(info.model))
+        self.prefill_last_token = why is None
+        log.info("%s: a prompt's last token %s", self.model_id,
+                 "prefilled with its final chunk" if why is None
+                 else f"runs as a decode step of its own ({why})")
         plan = fast_prefill.install(
             info.model, enabled=s.fast_prefill, min_tokens=s.fast_prefill_min_tokens,
             decode=s.fast_decode, decode_dense=s.fast_decode_dense,
@@ -815,7 +829,8 @@ class ModelEngine:
         return self._new_batch()
 
     def _new_batch(self) -> BatchGenerator:
-        return BatchGenerator(
+        make = FinalChunkGenerator if self.prefill_last_token else BatchGenerator
+        return make(
             self.info.model,
             completion_batch_size=self.settings.max_num_seqs,
             prefill_batch_size=min(self.settings.prefill_batch_size, self.settings.max_num_seqs),
@@ -831,10 +846,14 @@ class ModelEngine:
             prefilling = [i for i in live.values() if i.first_token_at is None]
             if planner is None or not prefilling:
                 return 0
-            # A prompt's last token is not prefilled: mlx-lm runs it as the sequence's
-            # first decode step, which holds no prefill transient (and was admitted).
+            # mlx-lm runs a prompt's last token as the sequence's first decode step,
+            # which holds no prefill transient (and was admitted); engine/final_chunk.py
+            # prefills it with the final chunk, and holds its logits once that ran.
+            last = 0 if self.prefill_last_token else 1
+            done = getattr(gen, "first_logits", {})
             remaining = sum(max(0, len(i.request.prompt_tokens) - i.cached_tokens
-                                - i.prefilled - 1) for i in prefilling)
+                                - i.prefilled - last)
+                            for i in prefilling if i.uid not in done)
             if remaining <= 0:
                 return 0
             # MLX's memory now: active buffers and its pool (held, reusable by the chunk).

@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill with MLX's own kernels only: no conversion of bf16/fp16/"
                    "quantized layers to float32 for the optimized BLAS, one at a time, and "
                    "no NumPy attention or SwiGLU (Linux CPU; see engine/fast_prefill.py)")
+    s.add_argument("--no-prefill-last-token", dest="prefill_last_token",
+                   action="store_false",
+                   help="run a prompt's last token as a decode step of its own, as mlx-lm "
+                   "does, instead of with the prompt's final chunk (one model pass later "
+                   "to the first token; see engine/final_chunk.py)")
     s.add_argument("--no-compiled-decode", dest="compiled_decode", action="store_false",
                    help="decode with MLX's own RoPE and RMSNorm operations instead of one "
                    "compiled kernel each (the same logits; Linux CPU; see "
@@ -433,6 +438,7 @@ def _serve(args) -> int:
         engine=EngineSettings(max_num_seqs=args.max_num_seqs,
                               prefill_step_size=args.prefill_step_size,
                               fast_prefill=args.fast_prefill,
+                              prefill_last_token=args.prefill_last_token,
                               fast_decode_dense=args.fast_decode_dense,
                               compiled_decode=args.compiled_decode,
                               fast_decode_kernel=args.decode_kernel,

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
 
     from engine import compiled_decode, fast_prefill
-    from engine.demo_models import ensure_demo_model, ensure_demo_variant
+    from engine.demo_models import ensure_demo
     from engine.loading import load_model
 
     kernel = args.compare in ("kernel", "skinny", "isa")
@@ -94,8 +94,7 @@ def main(argv: list[str] | None = None) -> int:
               "logits equal |")
         print("|---|---:|---:|---:|---:|---|")
     for name in args.models.split(","):
-        size, _, variant = name.partition("-")
-        path = ensure_demo_variant(size, variant) if variant else ensure_demo_model(size)
+        path = ensure_demo(name)
         model = load_model(str(path)).model
         if args.compare in ("skinny", "isa"):  # the server's decode paths, on both sides
             fast_prefill.install(model)

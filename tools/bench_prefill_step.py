@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from mlx_lm.models.cache import make_prompt_cache
 
     from engine import compiled_decode, fast_prefill, rope_table
-    from engine.demo_models import ensure_demo_model, ensure_demo_variant
+    from engine.demo_models import ensure_demo
     from engine.loading import load_model
 
     if args.compare == "rope-table":
@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
           "| caches equal |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for model_name in args.models.split(","):
-        size, _, variant = model_name.partition("-")
-        path = ensure_demo_variant(size, variant) if variant else ensure_demo_model(size)
+        path = ensure_demo(model_name)
         model = load_model(str(path)).model
         plan = fast_prefill.install(model)
         plan.bind_thread()

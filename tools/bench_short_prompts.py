@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.demo_models import ensure_demo_model, ensure_demo_variant
+from engine.demo_models import ensure_demo
 from plimsoll.v1 import inference_pb2
 from tools.harness.server import ServerProcess, start_server, wait_all_serving
 
@@ -58,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|" + "---:|" * (2 * len(sides) - 1))
     with tempfile.TemporaryDirectory() as logs:
         for name in args.models.split(","):
-            size, _, variant = name.partition("-")
-            path = ensure_demo_variant(size, variant) if variant else ensure_demo_model(size)
+            path = ensure_demo(name)
             servers = [start_server(Path(logs), "--model", str(path), *flags, wait=False,
                                     **({"cwd": tree} if tree else {}))
                        for _, flags, tree in sides]

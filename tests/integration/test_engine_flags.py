@@ -282,11 +282,12 @@ async def test_a_pre_chunk_abort_ends_the_request_typed_and_the_engine_keeps_ser
 
         assert isinstance(event, Failed) and isinstance(event.error, Aborted)
         assert event.error.reason == "PREFILL_ABORT"
-        assert event.error.metadata["remaining_tokens"] == "63"  # the last: a decode step
+        # Every token is still to prefill, the last with the final chunk (final_chunk.py).
+        assert event.error.metadata["remaining_tokens"] == "64"
         assert event.error.metadata["chunk_tokens"] == "16"
         assert [r.request_id for r in reports] == ["too-big"]
         assert (reports[0].prompt_tokens, reports[0].remaining_tokens,
-                reports[0].chunk_tokens) == (64, 63, 16)
+                reports[0].chunk_tokens) == (64, 64, 16)
         assert reports[0].model_id == "tiny" and reports[0].mlx_active_bytes > 0
 
         engine.prefill_planner = FixedPlanner(chunk=16, abort=False)

@@ -1,0 +1,143 @@
+"""A prompt's last token prefilled with its final chunk, not as a decode step of its own.
+
+mlx-lm's `BatchGenerator` prefills a prompt but for its last token, and runs that token as
+the sequence's first decode step: one more pass over every weight of the model before the
+first token exists (~7 ms of a 256-token prompt's ~90 on the small float32 demo model
+here, ~23 of ~370 on the medium one). Here the final chunk carries the last token too.
+Every block but the last computes it with the chunk's other rows (one row more in each
+product); the last block runs the other rows for the cache only and the last row alone
+(engine/last_block.py), and the LM head reads that one row. The generation step that
+follows samples the first token from those logits with mlx-lm's own samplers and logits
+processors instead of running the model: 1.08-1.16x sooner from a prompt to its first
+token in process on the demo models (docs/benchmarks.md), the logits within float32
+rounding of the separate step's.
+
+It applies to a chunk whose every row ends its prompt in that chunk, all of one length
+(no padding) and within the step's size; any other chunk, and a model whose last block or
+caches do not qualify (`last_block.split_reason`), takes mlx-lm's own path.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+
+from engine import last_block
+
+
+class FinalChunkGenerator(BatchGenerator):
+    """mlx-lm's `BatchGenerator` whose prompt batches prefill a prompt's last token with
+    its final chunk; `first_logits` holds, per uid, the logits read from that chunk until
+    the sequence's generation starts from them."""
+
+    def __init__(self, model: Any, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.first_logits: dict[int, mx.array] = {}
+        _adopt(self._prompt_batch, self)
+
+    def _make_batch(self, n: int) -> PromptProcessingBatch:
+        return _adopt(super()._make_batch(n), self)
+
+    def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
+        for uid in uids:
+            self.first_logits.pop(uid, None)
+        return super().remove(uids, return_prompt_caches)
+
+    def final_tokens(self, batch: PromptProcessingBatch, tokens: list[list[int]]
+                     ) -> list[int] | None:
+        """Each row's lone last token when this chunk ends every row's prompt but for it,
+        all rows of one length within the step size; None for mlx-lm's own path."""
+        rows = self._currently_processing
+        if batch is not self._prompt_batch or not tokens or len(rows) != len(tokens):
+            return None
+        last = []
+        for segments, _, _ in rows:
+            if len(segments) != 1 or len(segments[0]) != 1:
+                return None
+            last.append(segments[0][0])
+        width = len(tokens[0])
+        if any(len(t) != width for t in tokens) or width + 1 > self.prefill_step_size:
+            return None
+        return last
+
+
+class _FinalChunkBatch(PromptProcessingBatch):
+    """A prompt batch whose final chunk carries the prompts' last tokens."""
+
+    _owner: weakref.ref[FinalChunkGenerator]  # weak: the generator holds its batches
+
+    @property
+    def owner(self) -> FinalChunkGenerator:
+        owner = self._owner()
+        assert owner is not None, "a prompt batch outlived its generator"
+        return owner
+
+    def _copy(self) -> _FinalChunkBatch:
+        batch = super()._copy()
+        batch._owner = self._owner
+        return batch
+
+    def prompt(self, tokens: list[list[int]]) -> None:
+        last = self.owner.final_tokens(self, tokens)
+        if last is None:
+            super().prompt(tokens)
+            return
+        # What the cache holds, as mlx-lm keeps it; the generation step adds the last token.
+        for held, chunk in zip(self.tokens, tokens, strict=True):
+            held += chunk
+        rows = mx.array([chunk + [token] for chunk, token in zip(tokens, last, strict=True)])
+        with last_block.split_last_row():
+            logits = self.model(rows, cache=self.prompt_cache)[:, -1, :]
+        mx.eval(logits, [c.state for c in self.prompt_cache])
+        mx.clear_cache()
+        self.owner.first_logits.update(
+            (uid, logits[i]) for i, uid in enumerate(self.uids))
+
+    def generate(self, tokens: list[list[int]]) -> GenerationBatch:
+        stash = self.owner.first_logits
+        ready = [uid in stash for uid in self.uids]
+        if not any(ready):
+            return super().generate(tokens)
+        if all(ready):
+            return self._generate_from_logits(tokens)
+        # Some rows' last tokens are still to run (a one-token prompt that joined now).
+        order = list(self.uids)
+        rest = [i for i, r in enumerate(ready) if not r]
+        others = self.split(rest)  # this batch keeps the rows that have their logits
+        batch = self._generate_from_logits([t for t, r in zip(tokens, ready, strict=True) if r])
+        batch.extend(others.generate([tokens[i] for i in rest]))
+        # mlx-lm pairs the new rows with its own list of them, in the order it split them;
+        # rows that joined now come last there too, so this holds already as mlx-lm is.
+        if batch.uids != order:
+            batch.filter([batch.uids.index(uid) for uid in order])
+        return batch
+
+    def _generate_from_logits(self, tokens: list[list[int]]) -> GenerationBatch:
+        """mlx-lm's generation batch, its first step reading the stored logits."""
+        first = _FirstLogits(mx.stack([self.owner.first_logits.pop(u) for u in self.uids]))
+        model, self.model = self.model, first
+        try:
+            batch = super().generate(tokens)
+        finally:
+            self.model = model
+        batch.model = model
+        return batch
+
+
+class _FirstLogits:
+    """Stands in for the model in a generation batch's first step: its logits are known."""
+
+    def __init__(self, logits: mx.array) -> None:
+        self.logits = logits
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        return self.logits[:, None, :]
+
+
+def _adopt(batch: PromptProcessingBatch, owner: FinalChunkGenerator) -> PromptProcessingBatch:
+    batch.__class__ = _FinalChunkBatch
+    batch._owner = weakref.ref(owner)  # type: ignore[attr-defined]
+    return batch
