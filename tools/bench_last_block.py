@@ -1,6 +1,6 @@
 """One change to the fast prefill (engine/fast_prefill.py) switched on and off in one
 process: `--change last-block`, the model's last block left lazy in a prefill chunk
-(`_LastBlock`) against computing it at once; `--change half-swiglu`, a half-precision
+(engine/last_block.py) against computing it at once; `--change half-swiglu`, a half-precision
 chunk's SwiGLU through the table of silu (`_half_swiglu`) against MLX's own kernel.
 
     python -m tools.bench_last_block                       # small-fp32, medium-fp32; 256, 1024
