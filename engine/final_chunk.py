@@ -12,9 +12,11 @@ processors instead of running the model: 1.08-1.16x sooner from a prompt to its 
 token in process on the demo models (docs/benchmarks.md), the logits within float32
 rounding of the separate step's.
 
-It applies to a chunk whose every row ends its prompt in that chunk, all of one length
-(no padding) and within the step's size; any other chunk, and a model whose last block or
-caches do not qualify (`last_block.split_reason`), takes mlx-lm's own path.
+It applies to a chunk whose every row ends its prompt in that chunk, within the step's
+size: prompts of several lengths are padded on the left (mlx-lm pads a chunk on the
+right), so such a chunk must be its batch's first (a batch cache takes left padding only
+while empty). Any other chunk, and a model whose last block or caches do not qualify
+(`last_block.split_reason`), takes mlx-lm's own path.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class FinalChunkGenerator(BatchGenerator):
     def final_tokens(self, batch: PromptProcessingBatch, tokens: list[list[int]]
                      ) -> list[int] | None:
         """Each row's lone last token when this chunk ends every row's prompt but for it,
-        all rows of one length within the step size; None for mlx-lm's own path."""
+        within the step size; None for mlx-lm's own path."""
         rows = self._currently_processing
         if batch is not self._prompt_batch or not tokens or len(rows) != len(tokens):
             return None
@@ -58,8 +60,12 @@ class FinalChunkGenerator(BatchGenerator):
             if len(segments) != 1 or len(segments[0]) != 1:
                 return None
             last.append(segments[0][0])
-        width = len(tokens[0])
-        if any(len(t) != width for t in tokens) or width + 1 > self.prefill_step_size:
+        widths = {len(t) for t in tokens}
+        if max(widths) + 1 > self.prefill_step_size:
+            return None
+        # Prompts of several lengths are padded on the left, which a batch cache takes
+        # only while it holds nothing (mlx-lm pads on the right, then moves the padding).
+        if len(widths) > 1 and any(c.keys is not None for c in batch.prompt_cache):
             return None
         return last
 
@@ -88,7 +94,14 @@ class _FinalChunkBatch(PromptProcessingBatch):
         # What the cache holds, as mlx-lm keeps it; the generation step adds the last token.
         for held, chunk in zip(self.tokens, tokens, strict=True):
             held += chunk
-        rows = mx.array([chunk + [token] for chunk, token in zip(tokens, last, strict=True)])
+        # Each row ends in its last token, so the last column is every prompt's last.
+        width = max(len(chunk) for chunk in tokens) + 1
+        pads = [width - len(chunk) - 1 for chunk in tokens]
+        if any(pads):
+            for c in self.prompt_cache:
+                c.prepare(left_padding=pads)
+        rows = mx.array([[0] * pad + chunk + [token]
+                         for pad, chunk, token in zip(pads, tokens, last, strict=True)])
         with last_block.split_last_row():
             logits = self.model(rows, cache=self.prompt_cache)[:, -1, :]
         mx.eval(logits, [c.state for c in self.prompt_cache])

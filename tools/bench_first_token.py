@@ -6,11 +6,12 @@ same model in the same process (ABBA).
     python -m tools.bench_first_token
     python -m tools.bench_first_token --models small-bf16,small-4bit,medium-bf16 --tokens 255
     python -m tools.bench_first_token --models small-fp32 --batch 8 --tokens 128
+    python -m tools.bench_first_token --models tiny,small-fp32 --batch 8 --tokens 62 --shortest 32
 
 The model is loaded as the server loads it (the optimized BLAS first, its last block
 marked, the fast prefill and the compiled decode ops installed) and prefilled in one chunk,
-as the engine does when memory allows. A round inserts `--batch` prompts of `--tokens`
-tokens and steps the generator until every sequence's first token is sampled and read,
+as the engine does when memory allows. A round inserts `--batch` prompts (of `--tokens`
+tokens, or `--shortest` to `--tokens`) and steps the generator until every sequence's first token is sampled and read,
 as the engine reads it early (engine/model_engine.py `_publish_first_tokens`). Per model:
 the median time of each side, their ratio and whether the first tokens were equal."""
 
@@ -27,7 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="small-fp32,medium-fp32,small",
                    help="demo sizes, SIZE-VARIANT for a variant (default: %(default)s)")
-    p.add_argument("--tokens", type=int, default=256, help="tokens per prompt")
+    p.add_argument("--tokens", type=int, default=256, help="tokens of the longest prompt")
+    p.add_argument("--shortest", type=int, default=None,
+                   help="tokens of the shortest prompt, the others spread evenly between "
+                   "(default: all of --tokens)")
     p.add_argument("--batch", type=int, default=1, help="prompts inserted together")
     p.add_argument("--rounds", type=int, default=8, help="rounds per side, alternating")
     args = p.parse_args(argv)
@@ -55,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         last_block.mark(last_block.last_of(model))
         fast_prefill.install(model).bind_thread()
         compiled_decode.install(model)
-        prompts = [[5 + (i + 7 * b) % 4000 for i in range(args.tokens)]
+        shortest = args.tokens if args.shortest is None else args.shortest
+        lengths = [args.tokens - (args.tokens - shortest) * b // max(1, args.batch - 1)
                    for b in range(args.batch)]
+        prompts = [[5 + (i + 7 * b) % 4000 for i in range(n)] for b, n in enumerate(lengths)]
 
         def first_tokens(make: type, model=model, prompts=prompts) -> tuple[float, list[int]]:
             gen = make(model, completion_batch_size=max(8, args.batch),
@@ -81,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
             took, tokens[merged] = first_tokens(sides[merged])
             times[merged].append(took)
         apart, merged_ms = (statistics.median(times[k]) * 1e3 for k in (False, True))
-        print(f"| {model_name} | {args.batch} x {args.tokens} | {apart:.2f} | {merged_ms:.2f} "
+        shape = (f"{args.batch} x {args.tokens}" if shortest == args.tokens
+                 else f"{args.batch} x {shortest}-{args.tokens}")
+        print(f"| {model_name} | {shape} | {apart:.2f} | {merged_ms:.2f} "
               f"| {apart / merged_ms:.3f} | {'yes' if tokens[True] == tokens[False] else 'no'} |",
               flush=True)
     return 0

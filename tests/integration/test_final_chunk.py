@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from engine import last_block
 from engine.final_chunk import FinalChunkGenerator
@@ -93,8 +93,9 @@ async def test_the_first_token_comes_from_the_final_chunk_one_model_pass_sooner(
 
 async def test_prompts_that_end_together_share_one_final_chunk(demo_path, model_calls):
     """Three prompts of one length that arrive together end in one 3 x 24 pass (a batch
-    cache, its mask cut for the last rows); prompts of three lengths (padded in their
-    chunk) keep mlx-lm's own path. Greedy tokens as with the last tokens run apart."""
+    cache, its mask cut for the last rows); three of 9, 17 and 30 tokens in one 3 x 30
+    pass, the shorter ones padded on the left (mlx-lm pads a chunk on the right: 3 x 29,
+    then the last tokens). Greedy tokens as with the last tokens run apart."""
     same = [[1 + (11 * i + j) % 1000 for j in range(24)] for i in range(3)]
     mixed = [[1 + (13 * i + j) % 1000 for j in range(n)] for i, n in enumerate((9, 17, 30))]
     async with engine_on(demo_path, "merged") as merged, \
@@ -103,8 +104,42 @@ async def test_prompts_that_end_together_share_one_final_chunk(demo_path, model_
         want = [await greedy_all(apart, same, 5), await greedy_all(apart, mixed, 5)]
     assert got == want
     calls = model_calls["engine-merged"]
-    assert (3, 24) in calls and (3, 23) not in calls, calls
-    assert (3, 29) in calls, calls  # the padded chunk: its last tokens went apart
+    assert (3, 24) in calls and (3, 30) in calls, calls
+    assert (3, 23) not in calls and (3, 29) not in calls, calls
+    assert (3, 29) in model_calls["engine-apart"]
+
+
+async def test_prompts_of_several_lengths_after_a_cached_prefix_keep_mlx_lm_s_path(demo_path):
+    """A batch cache that holds a prompt's cached prefix takes no left padding: prompts of
+    two lengths there run their last tokens apart, and decode what mlx-lm decodes."""
+    prefix = [1 + (19 * j) % 1000 for j in range(12)]
+    rest, other = [[1 + (23 * j) % 1000 for j in range(n)] for n in (9, 14)]
+
+    async with engine_on(demo_path, "tiny") as engine:
+        model = engine.info.model
+
+        def run(make: type[BatchGenerator]) -> tuple[dict[int, list[int]], int]:
+            cache = make_prompt_cache(model)
+            model(mx.array([prefix]), cache=cache)
+            mx.eval([c.state for c in cache])
+            gen = make(model, completion_batch_size=8, prefill_batch_size=8)
+            gen.insert([rest, other], max_tokens=[5, 5], caches=[cache, None],
+                       all_tokens=[list(prefix), []])  # mlx-lm extends these lists
+            held = 0
+            tokens: dict[int, list[int]] = {}
+            while sum(map(len, tokens.values())) < 10:
+                _, responses = gen.next()
+                held = max(held, len(getattr(gen, "first_logits", {})))
+                for r in responses:
+                    tokens.setdefault(r.uid, []).append(r.token)
+            gen.close()
+            return tokens, held
+
+        def both() -> tuple:
+            return run(FinalChunkGenerator), run(BatchGenerator)
+
+        (ours, held), (theirs, _) = await asyncio.wrap_future(engine.call(both))
+    assert held == 0 and ours == theirs, (held, ours, theirs)
 
 
 def _drive(make: type[BatchGenerator], model: Any, first: list[int], joining: list[int],
