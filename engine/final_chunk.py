@@ -8,9 +8,10 @@ Every block but the last computes it with the chunk's other rows (one row more i
 product); the last block runs the other rows for the cache only and the last row alone
 (engine/last_block.py), and the LM head reads that one row. The generation step that
 follows samples the first token from those logits with mlx-lm's own samplers and logits
-processors instead of running the model: 1.08-1.16x sooner from a prompt to its first
-token in process on the demo models (docs/benchmarks.md), the logits within float32
-rounding of the separate step's.
+processors instead of running the model. In process on the demo models, from prompts
+to their first tokens: 1.01-1.12x sooner for one 256-token prompt, 1.13-1.29x for 8 or 32
+prompts of several lengths (docs/benchmarks.md); the logits within float32 rounding of
+the separate step's.
 
 It applies to a chunk whose every row ends its prompt in that chunk, within the step's
 size: prompts of several lengths are padded on the left (mlx-lm pads a chunk on the
