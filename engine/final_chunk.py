@@ -13,11 +13,11 @@ to their first tokens: 1.01-1.12x sooner for one 256-token prompt, 1.13-1.29x fo
 prompts of several lengths (docs/benchmarks.md); the logits within float32 rounding of
 the separate step's.
 
-It applies to a chunk whose every row ends its prompt in that chunk, within the step's
-size: prompts of several lengths are padded on the left (mlx-lm pads a chunk on the
-right), so such a chunk must be its batch's first (a batch cache takes left padding only
-while empty). Any other chunk, and a model whose last block or caches do not qualify
-(`last_block.split_reason`), takes mlx-lm's own path.
+It applies to a chunk in which some prompt ends, within the step's size (a prompt that
+goes on is prefilled with it as mlx-lm would): rows of several widths are padded on the
+left (mlx-lm pads a chunk on the right), so such a chunk must be its batch's first (a
+batch cache takes left padding only while empty). Any other chunk, and a model whose last
+block or caches do not qualify (`last_block.split_reason`), takes mlx-lm's own path.
 """
 
 from __future__ import annotations
@@ -50,22 +50,22 @@ class FinalChunkGenerator(BatchGenerator):
         return super().remove(uids, return_prompt_caches)
 
     def final_tokens(self, batch: PromptProcessingBatch, tokens: list[list[int]]
-                     ) -> list[int] | None:
-        """Each row's lone last token when this chunk ends every row's prompt but for it,
-        within the step size; None for mlx-lm's own path."""
+                     ) -> list[int | None] | None:
+        """Per row, its prompt's lone last token where this chunk ends the prompt but for
+        it (None where the prompt goes on); None for mlx-lm's own path: no row ends here,
+        or the chunk would not fit the step size or its padding the cache."""
         rows = self._currently_processing
         if batch is not self._prompt_batch or not tokens or len(rows) != len(tokens):
             return None
-        last = []
-        for segments, _, _ in rows:
-            if len(segments) != 1 or len(segments[0]) != 1:
-                return None
-            last.append(segments[0][0])
-        widths = {len(t) for t in tokens}
-        if max(widths) + 1 > self.prefill_step_size:
+        last = [segments[0][0] if len(segments) == 1 and len(segments[0]) == 1 else None
+                for segments, _, _ in rows]
+        if all(token is None for token in last):
             return None
-        # Prompts of several lengths are padded on the left, which a batch cache takes
-        # only while it holds nothing (mlx-lm pads on the right, then moves the padding).
+        widths = {len(t) + (token is not None) for t, token in zip(tokens, last, strict=True)}
+        if max(widths) > self.prefill_step_size:
+            return None
+        # Rows of several widths are padded on the left, which a batch cache takes only
+        # while it holds nothing (mlx-lm pads on the right, then moves the padding).
         if len(widths) > 1 and any(c.keys is not None for c in batch.prompt_cache):
             return None
         return last
@@ -95,20 +95,23 @@ class _FinalChunkBatch(PromptProcessingBatch):
         # What the cache holds, as mlx-lm keeps it; the generation step adds the last token.
         for held, chunk in zip(self.tokens, tokens, strict=True):
             held += chunk
-        # Each row ends in its last token, so the last column is every prompt's last.
-        width = max(len(chunk) for chunk in tokens) + 1
-        pads = [width - len(chunk) - 1 for chunk in tokens]
+        # A prompt that ends here ends the row in its last token, so the last column is
+        # every such prompt's last (another row's there is a prompt token like the rest).
+        rows = [chunk + ([token] if token is not None else [])
+                for chunk, token in zip(tokens, last, strict=True)]
+        width = max(len(row) for row in rows)
+        pads = [width - len(row) for row in rows]
         if any(pads):
             for c in self.prompt_cache:
                 c.prepare(left_padding=pads)
-        rows = mx.array([[0] * pad + chunk + [token]
-                         for pad, chunk, token in zip(pads, tokens, last, strict=True)])
+        padded = mx.array([[0] * pad + row for pad, row in zip(pads, rows, strict=True)])
         with last_block.split_last_row():
-            logits = self.model(rows, cache=self.prompt_cache)[:, -1, :]
+            logits = self.model(padded, cache=self.prompt_cache)[:, -1, :]
         mx.eval(logits, [c.state for c in self.prompt_cache])
         mx.clear_cache()
         self.owner.first_logits.update(
-            (uid, logits[i]) for i, uid in enumerate(self.uids))
+            (uid, logits[i]) for i, (uid, token) in enumerate(zip(self.uids, last, strict=True))
+            if token is not None)
 
     def generate(self, tokens: list[list[int]]) -> GenerationBatch:
         stash = self.owner.first_logits

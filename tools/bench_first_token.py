@@ -7,13 +7,15 @@ same model in the same process (ABBA).
     python -m tools.bench_first_token --models small-bf16,small-4bit,medium-bf16 --tokens 255
     python -m tools.bench_first_token --models small-fp32 --batch 8 --tokens 128
     python -m tools.bench_first_token --models tiny,small-fp32 --batch 8 --tokens 62 --shortest 32
+    python -m tools.bench_first_token --models small-fp32 --batch 8 --tokens 512 --shortest 64 --step 256
 
 The model is loaded as the server loads it (the optimized BLAS first, its last block
-marked, the fast prefill and the compiled decode ops installed) and prefilled in one chunk,
-as the engine does when memory allows. A round inserts `--batch` prompts (of `--tokens`
-tokens, or `--shortest` to `--tokens`) and steps the generator until every sequence's first token is sampled and read,
-as the engine reads it early (engine/model_engine.py `_publish_first_tokens`). Per model:
-the median time of each side, their ratio and whether the first tokens were equal."""
+marked, the fast prefill and the compiled decode ops installed) and prefilled in one chunk
+(`--step`: in chunks of that many tokens), as the engine does when memory allows. A round
+inserts `--batch` prompts (of `--tokens` tokens, or `--shortest` to `--tokens`) and steps
+the generator until every sequence's first token is sampled and read, as the engine reads
+it early (engine/model_engine.py `_publish_first_tokens`). Per model: the median time of
+each side, their ratio and whether the first tokens were equal."""
 
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="tokens of the shortest prompt, the others spread evenly between "
                    "(default: all of --tokens)")
     p.add_argument("--batch", type=int, default=1, help="prompts inserted together")
+    p.add_argument("--step", type=int, default=None,
+                   help="prefill step size (default: the longest prompt in one chunk)")
     p.add_argument("--rounds", type=int, default=8, help="rounds per side, alternating")
     args = p.parse_args(argv)
     print(f"BLAS: {blas.preload().description}", flush=True)
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         def first_tokens(make: type, model=model, prompts=prompts) -> tuple[float, list[int]]:
             gen = make(model, completion_batch_size=max(8, args.batch),
                        prefill_batch_size=max(8, args.batch),
-                       prefill_step_size=args.tokens + 1)
+                       prefill_step_size=args.step or args.tokens + 1)
             mx.clear_cache()
             t0 = time.perf_counter()
             gen.insert(prompts, max_tokens=[2] * len(prompts))

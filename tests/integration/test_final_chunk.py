@@ -109,6 +109,23 @@ async def test_prompts_that_end_together_share_one_final_chunk(demo_path, model_
     assert (3, 29) in model_calls["engine-apart"]
 
 
+async def test_a_prompt_that_ends_beside_one_that_goes_on(demo_path, model_calls):
+    """With 16-token steps, a 10-token prompt beside a 40-token one: the first chunk is
+    2 x 16, the short prompt's 10 rows (its last token among them) padded on the left of
+    the long one's first 16, and the long one goes on to a final chunk of its last 8.
+    Greedy tokens as with the last tokens run apart."""
+    prompts = [[1 + (29 * j) % 1000 for j in range(40)], [1 + (31 * j) % 1000 for j in range(10)]]
+    async with engine_on(demo_path, "merged", prefill_step_size=16) as merged, \
+            engine_on(demo_path, "apart", prefill_step_size=16, prefill_last_token=False) as apart:
+        got = await greedy_all(merged, prompts, 5)
+        want = await greedy_all(apart, prompts, 5)
+    assert got == want
+    calls = [c for c in model_calls["engine-merged"] if c[1] > 1]
+    assert calls == [(2, 16), (1, 16), (1, 8)], calls
+    # Each prompt's last token ran in a chunk: two passes fewer in all.
+    assert len(model_calls["engine-merged"]) == len(model_calls["engine-apart"]) - 2
+
+
 async def test_prompts_of_several_lengths_after_a_cached_prefix_keep_mlx_lm_s_path(demo_path):
     """A batch cache that holds a prompt's cached prefix takes no left padding: prompts of
     two lengths there run their last tokens apart, and decode what mlx-lm decodes."""
