@@ -495,16 +495,17 @@ class ModelEngine:
         if self._load_abort:
             raise Aborted(f"load of {self.model_id} aborted", reason="LOAD_ABORTED")
         info = load_model(self.source)
-        self._install_fast_prefill(info)
+        self._install_model_paths(info)
         if self._load_abort:
             # The traceback keeps this frame alive in `loaded`: drop the model first.
             del info
             raise Aborted(f"load of {self.model_id} aborted", reason="LOAD_ABORTED")
         return info
 
-    def _install_fast_prefill(self, info: LoadedModel) -> None:
-        """The per-model decision (engine/fast_prefill.py), on the thread that runs the
-        model; what it adds to a prefill goes to admission with the model's facts."""
+    def _install_model_paths(self, info: LoadedModel) -> None:
+        """The per-model decisions, on the thread that runs the model: the last token
+        with the final chunk (engine/final_chunk.py), the fast prefill (what it adds to a
+        prefill goes to admission with the model's facts), the compiled decode ops."""
         s = self.settings
         # Marked before the fast path looks at it, which then leaves it marked.
         why = (last_block.split_reason(info.model) if s.prefill_last_token
