@@ -503,31 +503,10 @@ class ModelEngine:
         return info
 
     def _install_model_paths(self, info: LoadedModel) -> None:
-        """The per-model decisions, on the thread that runs the model: the last token
-        with the final chunk (engine/final_chunk.py), the fast prefill (what it adds to a
-        prefill goes to admission with the model's facts), the compiled decode ops."""
-        s = self.settings
-        # Marked before the fast path looks at it, which then leaves it marked.
-        why = (last_block.split_reason(info.model) if s.prefill_last_token
-               else "turned off by the settings")
-        if why is None:
-            last_block.mark(last_block.last_of(info.model))
-        self.prefill_last_token = why is None
-        log.info("%s: a prompt's last token %s", self.model_id,
-                 "prefilled with its final chunk" if why is None
-                 else f"runs as a decode step of its own ({why})")
-        plan = fast_prefill.install(
-            info.model, enabled=s.fast_prefill, min_tokens=s.fast_prefill_min_tokens,
-            decode=s.fast_decode, decode_dense=s.fast_decode_dense,
-            decode_kernel=s.fast_decode_kernel,
-            kv_bytes_per_token=info.kv_bytes_per_token,
-            kv_dtype_bytes=dtype_bytes(info.config.get("torch_dtype")
-                                       or info.config.get("dtype")))
-        self.fast_prefill = plan
-        info.prefill_conversion = plan.prefill_transient
-        log.info("%s: %s", self.model_id, plan.summary())
-        self.compiled_decode = compiled_decode.install(info.model, enabled=s.compiled_decode)
-        log.info("%s: %s", self.model_id, self.compiled_decode.summary())
+        paths = install_model_paths(info, self.settings, self.model_id)
+        self.prefill_last_token = paths.prefill_last_token
+        self.fast_prefill = paths.fast_prefill
+        self.compiled_decode = paths.compiled_decode
 
     def _end_failed_load(self, exc: BaseException) -> None:
         if isinstance(exc, Aborted):
@@ -964,6 +943,41 @@ class ModelEngine:
             RequestStat(i.request.request_id, i.request.created_at,
                         len(i.request.prompt_tokens) + i.generated)
             for i in items)
+
+
+@dataclass
+class ModelPaths:
+    """What `install_model_paths` chose for one model."""
+
+    prefill_last_token: bool
+    fast_prefill: fast_prefill.FastPrefill
+    compiled_decode: compiled_decode.CompiledDecode
+
+
+def install_model_paths(info: LoadedModel, s: EngineSettings, model_id: str) -> ModelPaths:
+    """The per-model decisions, on the thread that will run the model (the engine's; a
+    benchmark's own): the last token with the final chunk (engine/final_chunk.py), the
+    fast prefill (what it adds to a prefill goes to admission with the model's facts),
+    the compiled decode ops. Each is logged."""
+    # Marked before the fast path looks at it, which then leaves it marked.
+    why = (last_block.split_reason(info.model) if s.prefill_last_token
+           else "turned off by the settings")
+    if why is None:
+        last_block.mark(last_block.last_of(info.model))
+    log.info("%s: a prompt's last token %s", model_id,
+             "prefilled with its final chunk" if why is None
+             else f"runs as a decode step of its own ({why})")
+    plan = fast_prefill.install(
+        info.model, enabled=s.fast_prefill, min_tokens=s.fast_prefill_min_tokens,
+        decode=s.fast_decode, decode_dense=s.fast_decode_dense,
+        decode_kernel=s.fast_decode_kernel,
+        kv_bytes_per_token=info.kv_bytes_per_token,
+        kv_dtype_bytes=dtype_bytes(info.config.get("torch_dtype") or info.config.get("dtype")))
+    info.prefill_conversion = plan.prefill_transient
+    log.info("%s: %s", model_id, plan.summary())
+    compiled = compiled_decode.install(info.model, enabled=s.compiled_decode)
+    log.info("%s: %s", model_id, compiled.summary())
+    return ModelPaths(why is None, plan, compiled)
 
 
 def thread_gone(thread: threading.Thread) -> bool:

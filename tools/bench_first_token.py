@@ -45,24 +45,20 @@ def main(argv: list[str] | None = None) -> int:
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator
 
-    from engine import compiled_decode, fast_prefill, last_block
     from engine.demo_models import ensure_demo
     from engine.final_chunk import FinalChunkGenerator
     from engine.loading import load_model
+    from engine.model_engine import EngineSettings, install_model_paths
 
     print("| model | prompts x tokens | last token apart (ms) | with the chunk (ms) | "
           "apart / with | first tokens equal |")
     print("|---|---:|---:|---:|---:|---|")
     for model_name in args.models.split(","):
-        path = ensure_demo(model_name)
-        model = load_model(str(path)).model
-        why = last_block.split_reason(model)
-        if why is not None:
-            print(f"| {model_name} | the last block cannot split: {why} |")
+        info = load_model(str(ensure_demo(model_name)))
+        model = info.model
+        if not install_model_paths(info, EngineSettings(), model_name).prefill_last_token:
+            print(f"| {model_name} | the last token keeps mlx-lm's path here |")
             continue
-        last_block.mark(last_block.last_of(model))
-        fast_prefill.install(model).bind_thread()
-        compiled_decode.install(model)
         shortest = args.tokens if args.shortest is None else args.shortest
         lengths = [args.tokens - (args.tokens - shortest) * b // max(1, args.batch - 1)
                    for b in range(args.batch)]

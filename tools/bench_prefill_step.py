@@ -66,9 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MLX buffer pool: {pool >> 20} MiB (MLX's own: {mlx_own >> 20} MiB)", flush=True)
     from mlx_lm.models.cache import make_prompt_cache
 
-    from engine import compiled_decode, fast_prefill, rope_table
+    from engine import fast_prefill, rope_table
     from engine.demo_models import ensure_demo
     from engine.loading import load_model
+    from engine.model_engine import EngineSettings, install_model_paths
 
     if args.compare == "rope-table":
         target, name = rope_table, "rotate"
@@ -104,11 +105,9 @@ def main(argv: list[str] | None = None) -> int:
           "| caches equal |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for model_name in args.models.split(","):
-        path = ensure_demo(model_name)
-        model = load_model(str(path)).model
-        plan = fast_prefill.install(model)
-        plan.bind_thread()
-        compiled_decode.install(model)
+        info = load_model(str(ensure_demo(model_name)))
+        model = info.model
+        plan = install_model_paths(info, EngineSettings(), model_name).fast_prefill
         tokens = mx.array([[5 + (i + 7 * b) % 4000 for i in range(args.tokens)]
                            for b in range(args.batch)])
 
