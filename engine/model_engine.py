@@ -826,14 +826,7 @@ class ModelEngine:
             prefilling = [i for i in live.values() if i.first_token_at is None]
             if planner is None or not prefilling:
                 return 0
-            # mlx-lm runs a prompt's last token as the sequence's first decode step,
-            # which holds no prefill transient (and was admitted); engine/final_chunk.py
-            # prefills it with the final chunk, and holds its logits once that ran.
-            last = 0 if self.prefill_last_token else 1
-            done = getattr(gen, "first_logits", {})
-            remaining = sum(max(0, len(i.request.prompt_tokens) - i.cached_tokens
-                                - i.prefilled - last)
-                            for i in prefilling if i.uid not in done)
+            remaining = sum(self._prefill_left(i) for i in prefilling)
             if remaining <= 0:
                 return 0
             # MLX's memory now: active buffers and its pool (held, reusable by the chunk).
@@ -850,6 +843,17 @@ class ModelEngine:
             self._cancel(gen, _Cancel([report.request_id], _prefill_error(report)), live,
                          by_id, outbox)
             self._report_prefill_abort(report)
+
+    def _prefill_left(self, item: _Live) -> int:
+        """The prompt tokens a prefill chunk has still to run for `item`. mlx-lm runs a
+        prompt's last token as the sequence's first decode step, which holds no prefill
+        transient (and was admitted). engine/final_chunk.py prefills it with the final
+        chunk, but a last token left alone (a one-token prompt, a cached prefix of all
+        the others, a chunk before it that took mlx-lm's path) still runs as that step."""
+        left = len(item.request.prompt_tokens) - item.cached_tokens - item.prefilled
+        if self.prefill_last_token:
+            return left if left > 1 else 0
+        return max(0, left - 1)
 
     def _report_prefill_abort(self, report: PrefillAbortReport) -> None:
         hook = self.on_prefill_abort

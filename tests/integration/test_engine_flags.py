@@ -296,6 +296,47 @@ async def test_a_pre_chunk_abort_ends_the_request_typed_and_the_engine_keeps_ser
         assert len(reports) == 1
 
 
+class RecordingPlanner(FixedPlanner):
+    """A fixed answer, and every question asked of it."""
+
+    def __init__(self, chunk: int) -> None:
+        super().__init__(chunk, abort=False)
+        self.planned: list[int] = []
+        self.observed: list[int] = []
+
+    def plan(self, mlx_bytes: int, remaining_tokens: int,
+             prompt_tokens: int = 0) -> tuple[int, bool]:
+        self.planned.append(remaining_tokens)
+        return super().plan(mlx_bytes, remaining_tokens, prompt_tokens)
+
+    def observe(self, tokens: int, bytes_delta: int, prompt_tokens: int = 0) -> None:
+        self.observed.append(tokens)
+
+
+async def test_a_last_token_left_alone_is_no_prefill_for_the_planner(tiny):
+    """With the defaults a prompt's last token goes with its final chunk, but one left
+    alone runs as the sequence's first decode step: a one-token prompt, or the 17th
+    token after a 16-token chunk. The planner is asked about neither, and no decode step
+    is taught to it as a one-token chunk's memory."""
+    async with running_engine(tiny) as engine:
+        assert engine.prefill_last_token
+        engine.prefill_planner = planner = RecordingPlanner(chunk=16)
+        done = await last_event(submit(engine, "one", 4, long_prompt(1)))
+        assert isinstance(done, Finished) and done.completion_tokens == 4
+        assert planner.planned == [] and planner.observed == []
+
+        done = await last_event(submit(engine, "seventeen", 4, long_prompt(17)))
+        assert isinstance(done, Finished) and done.completion_tokens == 4
+        # 17 with the last token; the chunk of 16 cannot carry it, so it runs apart.
+        assert planner.planned == [17] and planner.observed == [16], planner.__dict__
+
+        planner.planned.clear()
+        planner.observed.clear()
+        done = await last_event(submit(engine, "sixteen", 4, long_prompt(16)))
+        assert isinstance(done, Finished) and done.completion_tokens == 4
+        assert planner.planned == [16] and len(planner.observed) == 1, planner.__dict__
+
+
 async def test_the_store_gate_brackets_the_finish_hook(tiny):
     stored: list[tuple[str, str]] = []
 
