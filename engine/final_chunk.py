@@ -45,9 +45,12 @@ class FinalChunkGenerator(BatchGenerator):
         return _adopt(super()._make_batch(n), self)
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
+        uids = list(uids)  # read twice: here and by mlx-lm
+        # mlx-lm's `extract_cache` reads the stored logits (the caches it returns).
+        result = super().remove(uids, return_prompt_caches)
         for uid in uids:
             self.first_logits.pop(uid, None)
-        return super().remove(uids, return_prompt_caches)
+        return result
 
     def final_tokens(self, batch: PromptProcessingBatch, tokens: list[list[int]]
                      ) -> list[int | None] | None:
@@ -112,6 +115,16 @@ class _FinalChunkBatch(PromptProcessingBatch):
         self.owner.first_logits.update(
             (uid, logits[i]) for i, (uid, token) in enumerate(zip(self.uids, last, strict=True))
             if token is not None)
+
+    def extract_cache(self, idx: int) -> list[Any]:
+        """mlx-lm's: the cache of the tokens the batch lists for that row. A final chunk's
+        cache holds the prompt's last token too, which the tokens list only once the
+        generation starts; it is cut back to them."""
+        cache = super().extract_cache(idx)
+        if self.uids[idx] in self.owner.first_logits:
+            for c in cache:
+                c.trim(1)
+        return cache
 
     def generate(self, tokens: list[list[int]]) -> GenerationBatch:
         stash = self.owner.first_logits

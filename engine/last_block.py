@@ -36,7 +36,9 @@ class LastBlock:
 
     def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> Any:
         if getattr(_thread, "split", False) and x.ndim == 3 and x.shape[1] > 1:
-            return self._split_last_row(x, *args, **kwargs)
+            call = _mask_and_cache(args, kwargs)
+            if call is not None:
+                return self._split_last_row(x, *call)
         return self._building(x, *args, **kwargs)
 
     def _building(self, *args: Any, **kwargs: Any) -> Any:
@@ -46,15 +48,26 @@ class LastBlock:
         finally:
             _thread.inside = False
 
-    def _split_last_row(self, x: mx.array, mask: Any = None, cache: Any = None,
-                        **kwargs: Any) -> mx.array:
+    def _split_last_row(self, x: mx.array, mask: Any, cache: Any) -> mx.array:
         masks = _split_mask(mask, x.shape[1])
         if masks is None:  # a mask this cannot cut: every row, the model's output too
-            return self._building(x, mask, cache, **kwargs)
+            return self._building(x, mask, cache)
         first, last = masks
         # The other rows' output is never read: only their keys and values are computed.
-        self._building(x[:, :-1], first, cache, **kwargs)
-        return super().__call__(x[:, -1:], last, cache, **kwargs)  # type: ignore[misc]
+        self._building(x[:, :-1], first, cache)
+        return super().__call__(x[:, -1:], last, cache)  # type: ignore[misc]
+
+
+def _mask_and_cache(args: tuple, kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+    """(mask, cache) when the block was called with nothing else; None otherwise (an
+    argument sized to the whole chunk could not follow its rows apart)."""
+    if len(args) > 2 or not kwargs.keys() <= {"mask", "cache"}:
+        return None
+    named = dict(zip(("mask", "cache"), args, strict=False))  # args may be fewer
+    if named.keys() & kwargs.keys():
+        return None
+    named.update(kwargs)
+    return named.get("mask"), named.get("cache")
 
 
 def _split_mask(mask: Any, rows: int) -> tuple[Any, Any] | None:
@@ -115,12 +128,13 @@ def split_last_row() -> Iterator[None]:
 
 def split_reason(model: nn.Module) -> str | None:
     """Why the last block cannot run a chunk's last row apart, or None when it can: its
-    call must take (x, mask, cache), and every layer's cache must be a plain `KVCache`
-    (a rotating or state-space cache does not keep a chunk's rows as decode rows)."""
+    call must take (x, mask, cache) and nothing else (another argument may be sized to
+    the whole chunk), and every layer's cache must be a plain `KVCache` (a rotating or
+    state-space cache does not keep a chunk's rows as decode rows)."""
     block = last_of(model)
     if block is None:
         return "the model lists no `layers`"
-    params = tuple(inspect.signature(_own_class(block).__call__).parameters)[1:4]
+    params = tuple(inspect.signature(_own_class(block).__call__).parameters)[1:]
     if params != _CALL:
         return f"its last block is called with ({', '.join(params)}), not (x, mask, cache)"
     kinds = {type(c).__name__ for c in make_prompt_cache(model)}

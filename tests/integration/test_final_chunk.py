@@ -211,6 +211,78 @@ async def test_a_one_token_prompt_joining_a_final_chunk_and_a_cancel_between(dem
     assert our_progress == their_progress == {0: (20, 20), 2: (1, 1)}
 
 
+async def test_a_cache_taken_between_the_final_chunk_and_the_first_token(demo_path):
+    """mlx-lm's `remove(..., return_prompt_caches=True)` hands back a cache and the tokens
+    it holds. Between a final chunk and the first token the chunk's cache holds the
+    prompt's last token too, the tokens not yet: it comes back cut to them, so a request
+    resumed from it decodes what mlx-lm's does. A one-shot iterable of uids removes them
+    as mlx-lm's `remove` does."""
+    prompt = [1 + (7 * j) % 1000 for j in range(12)]
+    async with engine_on(demo_path, "tiny") as engine:
+        model = engine.info.model
+
+        def run(make: type[BatchGenerator]) -> tuple[int, int, list[int], list[int]]:
+            gen = make(model, completion_batch_size=4, prefill_batch_size=4)
+            uid, other = gen.insert([prompt, prompt[:5]], max_tokens=[5, 5])
+            gen.next()  # the final chunk: both prompts end in it
+            cache, tokens = gen.remove([uid], return_prompt_caches=True)[uid]
+            (resumed,) = gen.insert([prompt[len(tokens):]], max_tokens=[5], caches=[cache],
+                                    all_tokens=[list(tokens)])
+            gen.remove(u for u in (other,))
+            out: list[int] = []
+            for _ in range(10):
+                _, responses = gen.next()
+                out += [r.token for r in responses if r.uid == resumed]
+                assert other not in {r.uid for r in responses}
+            left = len(getattr(gen, "first_logits", {}))
+            gen.close()
+            return cache[0].offset - len(tokens), left, tokens, out
+
+        def both() -> tuple:
+            return run(FinalChunkGenerator), run(BatchGenerator)
+
+        ours, theirs = await asyncio.wrap_future(engine.call(both))
+    assert ours[:2] == (0, 0) and theirs[0] == 0, (ours, theirs)
+    assert ours[2:] == theirs[2:] and len(ours[3]) == 5, (ours, theirs)
+
+
+def test_a_last_block_that_takes_another_argument_keeps_mlx_lm_s_path():
+    """HunYuan's block takes the keys and values another layer shared, sized to the whole
+    chunk, beside (x, mask, cache): it cannot run the last row apart, so the model keeps
+    mlx-lm's path, with mlx-lm's tokens (a small random HunYuan)."""
+    from mlx_lm.models import hunyuan
+
+    mx.random.seed(0)
+    model = hunyuan.Model(hunyuan.ModelArgs(
+        model_type="hunyuan", vocab_size=256, hidden_size=64, num_hidden_layers=2,
+        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        attention_bias=False, moe_topk=1, num_experts=1, num_shared_expert=1,
+        use_mixed_mlp_moe=False, use_qk_norm=True, rms_norm_eps=1e-5, rope_theta=10000.0,
+        use_cla=True, cla_share_factor=2,
+        rope_scaling={"alpha": 1.0, "factor": 1.0, "type": "dynamic"}))
+    mx.eval(model.parameters())
+    why = last_block.split_reason(model)
+    assert why is not None and "shared_kv_states" in why, why
+    # Marked anyway (as a model would be if its check let it through), the block still
+    # runs every row when called with more than (x, mask, cache).
+    block = last_block.last_of(model)
+    last_block.mark(block)
+    try:
+        tokens = {}
+        for make in (BatchGenerator, FinalChunkGenerator):
+            gen = make(model, completion_batch_size=4, prefill_batch_size=4)
+            gen.insert([[1 + (7 * j) % 250 for j in range(12)]], max_tokens=[4])
+            out: list[int] = []
+            for _ in range(8):
+                out += [r.token for r in gen.next()[1]]
+            gen.close()
+            tokens[make.__name__] = out
+    finally:
+        last_block.unmark(block)
+    assert tokens["FinalChunkGenerator"] == tokens["BatchGenerator"], tokens
+    assert len(tokens["BatchGenerator"]) == 4
+
+
 def test_a_model_whose_caches_rotate_keeps_mlx_lm_s_own_path(demo_path):
     """A sliding-window cache does not hand a chunk's rows back as decode rows: such a
     model, like one whose last block takes other arguments, runs its last token apart."""
