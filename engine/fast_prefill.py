@@ -533,7 +533,8 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, mask: Any, half: mx.Dtype,
                            else mrows[i:i + rows], additive, half, tmp)
 
     _in_parts(len(blocks), softmax)
-    return (scores @ v).reshape(b, h, n, d)
+    # The values' head size, which may differ from the queries' (MLA models).
+    return (scores @ v).reshape(b, h, n, v.shape[-1])
 
 
 def _numpy_mask_ok(mask: Any, q: mx.array, s_len: int) -> bool:

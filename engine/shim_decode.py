@@ -289,4 +289,4 @@ def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale:
                   if mask.dtype == mx.bool_ else scores + mask)
     weights = mx.softmax(scores, axis=-1, precise=True)
     out = (weights.astype(f32) @ values.astype(f32)).astype(dtype)
-    return out.reshape(b, h, 1, d)
+    return out.reshape(b, h, 1, values.shape[-1])  # the values' head size (MLA: not d)

@@ -18,7 +18,7 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine import fast_prefill
+from engine import fast_prefill, shim_decode
 from engine.demo_models import DEMO_CORPUS, ensure_demo_variant
 from engine.loading import load_model
 from engine.model_engine import EngineSettings, ModelEngine
@@ -33,6 +33,7 @@ from service.engines import PrefillGuard
 from service.server import PlimsollServer, ServerConfig
 from tests.integration.test_admit_predicts_generate import request
 from tests.support.memory_fakes import ScriptedReader, readings
+from tests.support.random_models import MINICPM3, write_random_model
 
 pytestmark = pytest.mark.skipif(
     fast_prefill.environment_reason() is not None,
@@ -404,6 +405,52 @@ def test_small_heads_softmaxed_together_give_each_heads_own_result(monkeypatch, 
     monkeypatch.setattr(fast_prefill, "_BLOCK_ELEMENTS", n * s_len)  # one head a block
     alone = fast_prefill._attend(q, k, v, m, half, s_len - n)
     assert mx.array_equal(together, alone, equal_nan=True).item()
+
+
+@pytest.mark.parametrize("half", [mx.float32, mx.bfloat16])
+def test_attention_whose_values_have_a_head_size_of_their_own(half):
+    """Multi-head latent attention (MiniCPM3, DeepSeek-V2): queries and keys of 24 per
+    head, values of 16. The chunk's attention (whole, and a block of queries at a time)
+    and a decode step's have the values' head size, as MLX's own attention has."""
+    mx.random.seed(3)
+    n, cached = 2 * fast_prefill.CAUSAL_ROWS + 5, 20
+    q = (mx.random.normal((1, 4, n, 24)) * 0.25).astype(half)
+    k = mx.random.normal((1, 2, cached + n, 24)).astype(half)
+    v = mx.random.normal((1, 2, cached + n, 16)).astype(half)
+    f32 = (q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32))
+    tol = 1e-4 if half == mx.float32 else 2 ** -6
+    for mask, rows in (("causal", n), (None, 9)):
+        got = fast_prefill._attention_f32(f32[0][:, :, :rows], *f32[1:], mask, half)
+        want = mx.fast.scaled_dot_product_attention(q[:, :, :rows], k, v, scale=1.0,
+                                                    mask=mask if rows == n else None)
+        assert got.shape == want.shape == (1, 4, rows, 16)
+        assert mx.abs(got - want.astype(mx.float32)).max().item() <= tol
+    if half == mx.bfloat16:
+        step = shim_decode.decode_attention(q[:, :, -1:], k, v, 0.2, None)
+        want = mx.fast.scaled_dot_product_attention(q[:, :, -1:], k, v, scale=0.2, mask=None)
+        assert step.shape == want.shape == (1, 4, 1, 16)
+        assert mx.abs(step.astype(mx.float32) - want.astype(mx.float32)).max().item() <= tol
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+async def test_a_model_with_latent_attention_serves_the_stock_paths_tokens(tmp_path, dtype):
+    """A small random MiniCPM3 (its values' heads narrower than its queries'): an engine
+    with the defaults serves a 40-token and a 150-token prompt (each chunk through the
+    NumPy attention) and decodes the tokens of an engine with every speed-up off."""
+    path = write_random_model(tmp_path / "minicpm3", MINICPM3, dtype)
+    prompts = [[1 + (7 * j) % 1000 for j in range(n)] for n in (40, 150)]
+    stock = EngineSettings(fast_prefill=False, prefill_last_token=False, fast_decode="stock",
+                           fast_decode_kernel=False, compiled_decode=False)
+    got, want = [], []
+    for settings, out in ((EngineSettings(), got), (stock, want)):
+        engine = ModelEngine("mla", str(path), asyncio.get_running_loop(), settings)
+        await asyncio.wait_for(asyncio.wrap_future(engine.start()), 60)
+        try:
+            for i, ids in enumerate(prompts):
+                out.append(await greedy(engine, f"mla-{i}", ids, 8))
+        finally:
+            await asyncio.wait_for(asyncio.wrap_future(engine.stop()), 60)
+    assert got == want and all(len(t) == 8 for t in got), (got, want)
 
 
 @pytest.mark.parametrize("half", [mx.float32, mx.bfloat16])
