@@ -18,14 +18,21 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from engine import allocator, compiled_decode, fast_prefill, kv_snapshot, last_block
+from engine import (
+    allocator,
+    compiled_decode,
+    fast_prefill,
+    kv_snapshot,
+    last_block,
+    switch_experts,
+)
 from engine.demo_models import dtype_bytes
 from engine.errors import (
     ENGINE_ERROR,
@@ -47,6 +54,7 @@ from engine.request import (
 )
 from engine.sampling import make_request_processors, make_request_sampler
 from engine.textstream import TextStream
+from memory.chunking import ConversionTransient
 from memory.levels import PressureLevel
 from memory.store_cache import StoreCacheGate, next_cap
 
@@ -960,9 +968,13 @@ class ModelPaths:
 
 def install_model_paths(info: LoadedModel, s: EngineSettings, model_id: str) -> ModelPaths:
     """The per-model decisions, on the thread that will run the model (the engine's; a
-    benchmark's own): the last token with the final chunk (engine/final_chunk.py), the
-    fast prefill (what it adds to a prefill goes to admission with the model's facts),
-    the compiled decode ops. Each is logged."""
+    benchmark's own): half-precision experts in float32 on a CPU (engine/
+    switch_experts.py), the last token with the final chunk (engine/final_chunk.py), the
+    fast prefill (what these two add to a prefill goes to admission with the model's
+    facts), the compiled decode ops. Each is logged."""
+    experts = switch_experts.install(info.model)
+    if experts.layers:
+        log.info("%s: %s", model_id, experts.summary())
     # Marked before the fast path looks at it, which then leaves it marked.
     why = (last_block.split_reason(info.model) if s.prefill_last_token
            else "turned off by the settings")
@@ -977,11 +989,21 @@ def install_model_paths(info: LoadedModel, s: EngineSettings, model_id: str) -> 
         decode_kernel=s.fast_decode_kernel,
         kv_bytes_per_token=info.kv_bytes_per_token,
         kv_dtype_bytes=dtype_bytes(info.config.get("torch_dtype") or info.config.get("dtype")))
-    info.prefill_conversion = plan.prefill_transient
+    info.prefill_conversion = with_experts(plan.prefill_transient, experts)
     log.info("%s: %s", model_id, plan.summary())
     compiled = compiled_decode.install(info.model, enabled=s.compiled_decode)
     log.info("%s: %s", model_id, compiled.summary())
     return ModelPaths(why is None, plan, compiled)
+
+
+def with_experts(transient: ConversionTransient | None, experts: switch_experts.SwitchFloat32
+                 ) -> ConversionTransient | None:
+    """The prefill's conversion transient, one expert layer in float32 counted: the
+    conversions run one layer at a time, so the larger layer is what one adds."""
+    if not experts.weight_bytes:
+        return transient
+    base = transient or ConversionTransient()
+    return replace(base, weight_bytes=max(base.weight_bytes, experts.weight_bytes))
 
 
 def thread_gone(thread: threading.Thread) -> bool:

@@ -32,6 +32,12 @@ MINICPM3 = {"model_type": "minicpm3", "hidden_size": 64, "dim_model_base": 32,
                              "long_factor": [1.0] * 4,
                              "original_max_position_embeddings": 4096}}
 
+# Mixture of experts: four experts, two a token.
+MIXTRAL = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_local_experts": 4, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0}
+
 
 def write_random_model(folder: Path, config: dict[str, Any], dtype: mx.Dtype,
                        seed: int = 0, scale: float = 0.1) -> Path:
