@@ -27,6 +27,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from engine import (
     allocator,
+    batch_fixes,
     compiled_decode,
     fast_prefill,
     kv_snapshot,
@@ -968,10 +969,13 @@ class ModelPaths:
 
 def install_model_paths(info: LoadedModel, s: EngineSettings, model_id: str) -> ModelPaths:
     """The per-model decisions, on the thread that will run the model (the engine's; a
-    benchmark's own): half-precision experts in float32 on a CPU (engine/
-    switch_experts.py), the last token with the final chunk (engine/final_chunk.py), the
-    fast prefill (what these two add to a prefill goes to admission with the model's
+    benchmark's own): mlx-lm's batch mistakes corrected (engine/batch_fixes.py),
+    half-precision experts in float32 on a CPU (engine/switch_experts.py), the last
+    token with the final chunk (engine/final_chunk.py), the fast prefill (what the
+    experts and the fast prefill add to a prefill goes to admission with the model's
     facts), the compiled decode ops. Each is logged."""
+    for fix in batch_fixes.install(info.model):
+        log.info("%s: mlx-lm's model code corrected: %s", model_id, fix)
     experts = switch_experts.install(info.model)
     if experts.layers:
         log.info("%s: %s", model_id, experts.summary())

@@ -38,6 +38,12 @@ MIXTRAL = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 128,
            "num_local_experts": 4, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
            "rope_theta": 10000.0}
 
+# Grouped-query attention in gemma2's own code: four query heads over two key heads.
+GEMMA2 = {"model_type": "gemma2", "hidden_size": 128, "num_hidden_layers": 3,
+          "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 32, "query_pre_attn_scalar": 32, "rms_norm_eps": 1e-5,
+          "tie_word_embeddings": True}
+
 
 def write_random_model(folder: Path, config: dict[str, Any], dtype: mx.Dtype,
                        seed: int = 0, scale: float = 0.1) -> Path:
