@@ -7,10 +7,10 @@ such a model cannot serve on a CPU at all. Here those layers keep their weights 
 stored and multiply in float32, as MLX's Metal kernel sums (the result rounded back to
 the activations' dtype):
 
-- few (token, expert) pairs, a decode step: only the chosen experts' weights are taken
-  and converted;
-- at least as many pairs as experts, a prefill chunk: the layer's experts are converted
-  once and `mx.gather_mm` runs on them.
+- few (token, expert) pairs, a decode step (at most half as many as experts): only the
+  chosen experts' weights are taken and converted;
+- more, a prefill chunk: the layer's experts are converted once and `mx.gather_mm` runs
+  on them.
 
 What it adds at most is one layer's experts in float32, one layer at a time as MLX
 evaluates; `install` reports it so that admission counts it with the prefill's other
@@ -53,8 +53,10 @@ class Float32SwitchLinear(SwitchLinear):
                  ) -> mx.array:
         weight = self["weight"]
         f32 = mx.float32
-        if indices.size < weight.shape[0]:
+        if 2 * indices.size <= weight.shape[0]:
             # (..., k, out, in): each pair's expert, broadcast against x's (..., 1, in).
+            # At most half the layer's experts: with their stored copy, under the
+            # layer's float32 size, which the other way takes.
             chosen = weight[indices].astype(f32).swapaxes(-1, -2)
             y = x.astype(f32) @ chosen
         else:

@@ -25,7 +25,7 @@ def _reference(layer: SwitchLinear, x: mx.array, indices: mx.array) -> mx.array:
     return mx.stack(rows).astype(x.dtype)
 
 
-@pytest.mark.parametrize("pairs", [3, 8])  # fewer pairs than experts, and more
+@pytest.mark.parametrize("pairs", [3, 8])  # half as many pairs as experts, and more
 def test_a_half_precision_expert_layer_multiplies_in_float32(pairs):
     """Both ways (the chosen experts, or the layer's experts converted once) give each
     pair's own product in float32, rounded to the activations' dtype; the stock layer
