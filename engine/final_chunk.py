@@ -45,8 +45,9 @@ class FinalChunkGenerator(BatchGenerator):
         return _adopt(super()._make_batch(n), self)
 
     def remove(self, uids: Any, return_prompt_caches: bool = False) -> Any:
-        uids = list(uids)  # read twice: here and by mlx-lm
-        # mlx-lm's `extract_cache` reads the stored logits (the caches it returns).
+        uids = list(uids)  # read twice: by mlx-lm, then here
+        # The stored logits go after mlx-lm's remove: its `extract_cache` (for
+        # `return_prompt_caches`) looks them up to cut a final chunk's cache.
         result = super().remove(uids, return_prompt_caches)
         for uid in uids:
             self.first_logits.pop(uid, None)

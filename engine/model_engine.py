@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -55,7 +55,6 @@ from engine.request import (
 )
 from engine.sampling import make_request_processors, make_request_sampler
 from engine.textstream import TextStream
-from memory.chunking import ConversionTransient
 from memory.levels import PressureLevel
 from memory.store_cache import StoreCacheGate, next_cap
 
@@ -993,21 +992,11 @@ def install_model_paths(info: LoadedModel, s: EngineSettings, model_id: str) -> 
         decode_kernel=s.fast_decode_kernel,
         kv_bytes_per_token=info.kv_bytes_per_token,
         kv_dtype_bytes=dtype_bytes(info.config.get("torch_dtype") or info.config.get("dtype")))
-    info.prefill_conversion = with_experts(plan.prefill_transient, experts)
+    info.prefill_conversion = experts.counted_in(plan.prefill_transient)
     log.info("%s: %s", model_id, plan.summary())
     compiled = compiled_decode.install(info.model, enabled=s.compiled_decode)
     log.info("%s: %s", model_id, compiled.summary())
     return ModelPaths(why is None, plan, compiled)
-
-
-def with_experts(transient: ConversionTransient | None, experts: switch_experts.SwitchFloat32
-                 ) -> ConversionTransient | None:
-    """The prefill's conversion transient, one expert layer in float32 counted: the
-    conversions run one layer at a time, so the larger layer is what one adds."""
-    if not experts.weight_bytes:
-        return transient
-    base = transient or ConversionTransient()
-    return replace(base, weight_bytes=max(base.weight_bytes, experts.weight_bytes))
 
 
 def thread_gone(thread: threading.Thread) -> bool:

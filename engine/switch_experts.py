@@ -22,11 +22,13 @@ is swapped for a subclass.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchLinear
+
+from memory.chunking import ConversionTransient
 
 HALF = (mx.bfloat16, mx.float16)
 F32_BYTES = 4
@@ -39,6 +41,14 @@ class SwitchFloat32:
 
     layers: int = 0
     weight_bytes: int = 0
+
+    def counted_in(self, transient: ConversionTransient | None) -> ConversionTransient | None:
+        """The prefill's conversion transient with one expert layer in float32 counted:
+        conversions run one layer at a time, so the larger layer is what one adds."""
+        if not self.weight_bytes:
+            return transient
+        base = transient or ConversionTransient()
+        return replace(base, weight_bytes=max(base.weight_bytes, self.weight_bytes))
 
     def summary(self) -> str:
         return (f"{self.layers} half-precision expert layers multiplied in float32 "
