@@ -35,7 +35,12 @@ def group_size_for(head_dim: int) -> int | None:
 
 
 def _quantized(c: Any, bits: int) -> Any:
-    if not hasattr(c, "to_quantized") or c.empty():
+    from mlx_lm.models.cache import KVCache
+
+    # A plain KVCache only: `thaw` makes a quantized layer a KVCache again, and mlx-lm
+    # cannot quantize the others (a sliding window's RotatingKVCache raises), so those
+    # layers stay full precision, as a head no group divides does.
+    if type(c) is not KVCache or c.empty():
         return c
     group = group_size_for(int(c.keys.shape[-1]))
     if group is None or int(c.values.shape[-1]) % group:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import mlx.core as mx
 import pytest
 
 from memory.plans import spill
@@ -16,6 +17,7 @@ from plimsoll.v1 import control_pb2, inference_pb2
 from service.assembly import Service
 from service.generate import Admitted
 from telemetry import names
+from tests.support.random_models import GEMMA3_TEXT, write_random_model
 from tools.harness.in_process import close, cold_tier_service, greedy_turn
 from tools.harness.server import serving
 
@@ -84,6 +86,40 @@ def test_shed_spills_then_restores_from_disk_with_the_same_output(tmp_path, demo
         assert warm.cached_disk_tokens == len(nxt) + len(out2) and out4 == out5
         assert not varied or len(set(out5)) >= MIN_DISTINCT, (out5, len(set(out5)))
         await stop(svc)
+
+    asyncio.run(main())
+
+
+def test_quantized_sessions_of_a_sliding_window_model_are_kept_and_restored(tmp_path):
+    """`--session-kv-bits 8` on a small random gemma3_text, whose every other layer keeps
+    a sliding window (mlx-lm cannot quantize that cache): the other layers are quantized,
+    the window stays full precision, and the next turn reuses the session from RAM and
+    from disk with a cold run's tokens."""
+    async def main() -> None:
+        model = write_random_model(tmp_path / "gemma3", GEMMA3_TEXT, mx.float32)
+        svc = await cold_tier_service(tmp_path / "disk", model, "tiny", kv_bits=8,
+                                      min_prefix_tokens=8)
+        try:
+            # An 8-bit cache moves this random model's flat greedy picks on some prompts
+            # (random_tokens(11, 40): the third turn's 8th token, from RAM and from disk
+            # alike); full precision matches a cold run on every prompt tried.
+            prompt = random_tokens(12, 40)
+            _, out1 = await turn(svc, prompt, "s1")
+            entry = svc.bank.longest_prefix("tiny", prompt + out1 + [7])
+            assert entry is not None, "the turn was not stored"
+            kinds = {type(c).__name__ for c in entry.payload}
+            assert kinds == {"QuantizedKVCache", "RotatingKVCache"}, kinds
+            nxt = prompt + out1 + [7, 8, 9]
+            warm, out2 = await turn(svc, nxt, "s1")
+            _, cold = await turn(svc, nxt, "")
+            assert warm.cached_tokens == len(prompt) + len(out1) and out2 == cold
+            assert svc.bank.shrink_to_bytes(0) >= 1 and svc.cold.flush(10)
+            last = nxt + out2 + [1, 2]
+            warm, out3 = await turn(svc, last, "s1")
+            _, cold = await turn(svc, last, "")
+            assert warm.cached_disk_tokens == len(nxt) + len(out2) and out3 == cold
+        finally:
+            await stop(svc)
 
     asyncio.run(main())
 

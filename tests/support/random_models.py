@@ -44,6 +44,13 @@ GEMMA2 = {"model_type": "gemma2", "hidden_size": 128, "num_hidden_layers": 3,
           "head_dim": 32, "query_pre_attn_scalar": 32, "rms_norm_eps": 1e-5,
           "tie_word_embeddings": True}
 
+# Sliding-window layers (mlx-lm's RotatingKVCache) every other layer, heads of 32.
+GEMMA3_TEXT = {"model_type": "gemma3_text", "hidden_size": 128, "num_hidden_layers": 3,
+               "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 32, "query_pre_attn_scalar": 32, "rms_norm_eps": 1e-6,
+               "rope_theta": 10000.0, "rope_local_base_freq": 10000.0, "sliding_window": 16,
+               "sliding_window_pattern": 2}
+
 
 def write_random_model(folder: Path, config: dict[str, Any], dtype: mx.Dtype,
                        seed: int = 0, scale: float = 0.1) -> Path:
