@@ -439,6 +439,28 @@ def half_gemv() -> Callable[..., int] | None:
     return _shim_function("plimsoll_half_gemv", [i, i, i, p, ll, p, ll, p, ll, i, i], i)
 
 
+SOFTMAX_F32, SOFTMAX_BF16 = 0, 1  # engine/cblas_shim.c's softmax kinds
+
+
+def softmax_rows() -> Callable[..., int] | None:
+    """The shim's prefill softmax (`plimsoll_softmax_rows` in engine/cblas_shim.c) as a
+    ctypes function, or None without the shim. Its arguments: kind (SOFTMAX_F32, or
+    SOFTMAX_BF16 to round as a bfloat16 model's attention does), the pointer to
+    contiguous rows x columns float32 scores, first and end row, columns, pointers to the
+    int64 first and end visible key of each window, queries per head, rows per batch
+    entry and the window sets (1, or one per batch entry); it returns 0, or -1 for bad
+    arguments."""
+    p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    return _shim_function("plimsoll_softmax_rows", [i, p, ll, ll, ll, p, p, ll, ll, ll], i)
+
+
+def swiglu() -> Callable[..., int] | None:
+    """The shim's float32 SwiGLU (`plimsoll_swiglu`): out, gate and up pointers and a
+    count of values; out = silu(gate) * up. None without the shim."""
+    p, ll = ctypes.c_void_p, ctypes.c_longlong
+    return _shim_function("plimsoll_swiglu", [p, p, p, ll], ctypes.c_int)
+
+
 def _shim_function(name: str, argtypes: list, restype) -> Callable[..., int] | None:
     """The shim's function `name`, typed once; None until a loaded library has it."""
     fn = _shim_functions.get(name)

@@ -13,21 +13,23 @@ converts ONE LAYER AT A TIME into float32:
   layer converts its own (the transient is the largest layer, never the model);
 - attention of a prefill chunk (`mlx_lm.models.base.scaled_dot_product_attention`, as the
   model's module calls it) runs on float32 queries, keys and values: its two products
-  through BLAS, its softmax in NumPy (MLX's CPU exp is scalar), rounding the scores and
-  weights to the model's dtype where MLX's own half-precision attention rounds them.
+  through BLAS, its softmax in the CBLAS shim's kernel (engine/cblas_shim.c; NumPy where
+  the shim is not loaded or the mask is not one window of keys a row: MLX's CPU exp is
+  scalar), rounding the scores and weights to the model's dtype where MLX's own
+  half-precision attention rounds them.
 
 - the MLP's SwiGLU of a prefill chunk runs in NumPy: MLX's half-precision result bit for
   bit, from a table of silu over all 65,536 values that the stock kernel fills once.
 
-These NumPy passes run in parts of independent rows on as many threads as the decode
-kernels use (`_in_parts`): between MLX's evaluations the other cores are idle.
+These passes run in parts of independent rows on as many threads as the decode kernels
+use (`_in_parts`): between MLX's evaluations the other cores are idle.
 
 What stays on MLX's kernels: RMSNorm and RoPE (elementwise, a small part of a prefill).
 
 A float32 model's products already run through BLAS, so none of its layers is wrapped;
-its prefill chunks of at least `FLOAT32_MIN_TOKENS` rows take the same NumPy attention,
-and SwiGLU in NumPy too (MLX's CPU sigmoid is as slow as its exp): 1.2-2x faster prefill
-on the demo models.
+its prefill chunks of at least `FLOAT32_MIN_TOKENS` rows take the same attention, and
+SwiGLU outside MLX too (the shim's kernel, else NumPy: MLX's CPU sigmoid is as slow as its
+exp): 1.2-2x faster prefill on the demo models.
 
 In the model's last block a prefill chunk's products, attention and SwiGLU stay MLX's lazy
 operations (engine/last_block.py): mlx-lm evaluates only a chunk's cache, so there they would
@@ -364,10 +366,11 @@ _STOCK_CLASSES = {v: k for k, v in _FAST_CLASSES.items()}
 # Once the products go through BLAS, a prefill chunk's time goes to MLX's CPU elementwise
 # kernels, which are scalar on x86: exp at ~90 M elements/s, so the softmax over
 # (heads x chunk x prompt) attention scores takes most of it. NumPy's SIMD exp is ~20x
-# faster, and an evaluated MLX array is a zero-copy NumPy view (buffer protocol), so for a
-# prefill chunk the softmax runs in NumPy, in place on the float32 scores this module
-# just made (never on an array anyone else holds): the same float32 maths as MLX's
-# precise softmax (max |difference| ~5e-7 without the half-precision rounding).
+# faster, the shim's fused rows (`plimsoll_softmax_rows`) ~4x NumPy's passes again, and an
+# evaluated MLX array is a zero-copy NumPy view (buffer protocol), so for a prefill chunk
+# the softmax runs outside MLX, in place on the float32 scores this module just made
+# (never on an array anyone else holds): the same float32 maths as MLX's precise softmax
+# (max |difference| ~5e-7 without the half-precision rounding).
 
 _stock_sdpa: Callable[..., mx.array] = _mlx_base.scaled_dot_product_attention
 
@@ -420,6 +423,19 @@ def _in_parts(count: int, run: Callable[[int, int], None]) -> None:
             f.result()
 
 
+# The shim's softmax and SwiGLU (engine/cblas_shim.c): one to three passes where NumPy
+# makes six to nine, ~4x (softmax) and ~3x (SwiGLU) faster, and a causal chunk's hidden
+# keys are never exponentiated. float16 scores, additive masks, masks whose rows are not
+# one window of keys, and half-precision SwiGLU (a table of MLX's own bits) stay in NumPy.
+SHIM_SOFTMAX_KINDS = {mx.float32: blas.SOFTMAX_F32, mx.bfloat16: blas.SOFTMAX_BF16}
+
+
+def _shim_kernels() -> tuple[Callable[..., int] | None, Callable[..., int] | None]:
+    """The shim's softmax and float32 SwiGLU, each None without the shim (MKL, the
+    reference BLAS, macOS, a compiler without vector extensions)."""
+    return blas.softmax_rows(), blas.swiglu()
+
+
 def _round_half(a: np.ndarray, dtype: mx.Dtype, tmp: np.ndarray) -> None:
     """Rounds a contiguous float32 array, in place, to the nearest `dtype` (bf16/fp16)
     value: where the stock path holds a half-precision intermediate, so does this one.
@@ -464,8 +480,8 @@ def _softmax_block(s: np.ndarray, mask: np.ndarray | None, additive: bool,
 def _attention_f32(q: mx.array, k: mx.array, v: mx.array, mask: Any,
                    half: mx.Dtype) -> mx.array:
     """softmax(q k^T + mask) v for scaled float32 (B, H, L, D) queries and (B, KV, S, D)
-    keys and values: the products through BLAS, the softmax in NumPy, in place, a block
-    of rows at a time. The scores and the weights are rounded to `half` where MLX's own
+    keys and values: the products through BLAS, the softmax through the shim's kernel or
+    in NumPy, in place, a block of rows at a time. The scores and the weights are rounded to `half` where MLX's own
     half-precision attention rounds them, so the two differ only by the products'
     summation order (and NumPy's exp against MLX's).
 
@@ -520,6 +536,21 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, mask: Any, half: mx.Dtype,
         m = m.reshape(-1, n, s_len)
         additive = m.dtype != np.bool_
         hidden = m.astype(np.float32, copy=False) if additive else ~m
+    softmax_rows = _shim_kernels()[0]
+    windows = (_visible_windows(mask, n, s_len, first)
+               if softmax_rows is not None and half in SHIM_SOFTMAX_KINDS
+               and s.flags.c_contiguous else None)
+    if windows is not None:
+        lo, hi = windows
+        kind, at = SHIM_SOFTMAX_KINDS[half], s.ctypes.data
+
+        def shim_rows(start: int, stop: int) -> None:
+            if softmax_rows(kind, at, start, stop, s_len, lo.ctypes.data, hi.ctypes.data,
+                            n, h * n, lo.shape[0]):
+                raise RuntimeError(f"the shim's softmax refused {s.shape}")
+
+        _in_parts(b * h * n, shim_rows)
+        return (scores @ v).reshape(b, h, n, v.shape[-1])
     heads = _heads_per_block(n, s_len)
     rows = n if heads > 1 else max(1, _BLOCK_ELEMENTS // s_len)
     blocks = [(bi, h0, i) for bi in range(b) for h0 in range(0, h, heads)
@@ -535,6 +566,36 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, mask: Any, half: mx.Dtype,
     _in_parts(len(blocks), softmax)
     # The values' head size, which may differ from the queries' (MLA models).
     return (scores @ v).reshape(b, h, n, v.shape[-1])
+
+
+def _visible_windows(mask: Any, n: int, s_len: int,
+                     first: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each query row's visible keys as one interval [lo, hi): int64 arrays (B | 1, n),
+    for no mask, a causal one (queries at positions `first`..) or a boolean array whose
+    rows are each one interval (causal with left padding, a sliding window); None for
+    anything else (additive masks, rows with gaps), which stays in NumPy."""
+    if mask is None:
+        return np.zeros((1, n), np.int64), np.full((1, n), s_len, np.int64)
+    if isinstance(mask, str):
+        hi = np.minimum(np.arange(first + 1, first + n + 1, dtype=np.int64), s_len)
+        return np.zeros((1, n), np.int64), hi[None]
+    m = np.array(mask, copy=False)
+    if m.dtype != np.bool_:
+        return None
+    m = m.reshape(-1, n, s_len)
+    # A mask is the same array for every layer of a chunk: its windows are found once.
+    seen = getattr(_thread, "windows", None)
+    if seen is not None and seen[0] is mask:
+        return seen[1]
+    count = m.sum(axis=-1, dtype=np.int64)
+    lo = np.argmax(m, axis=-1).astype(np.int64)
+    hi = lo + count
+    ends = s_len - np.argmax(m[..., ::-1], axis=-1)  # past each row's last visible key
+    if not np.array_equal(np.where(count > 0, ends, lo), hi):
+        return None  # a row with a gap
+    windows = lo, hi
+    _thread.windows = (mask, windows)
+    return windows
 
 
 def _numpy_mask_ok(mask: Any, q: mx.array, s_len: int) -> bool:
@@ -615,9 +676,10 @@ _stock_swiglu: Callable[[mx.array, mx.array], mx.array] = _mlx_activations.swigl
 
 
 def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
-    """mlx-lm's `silu(gate) * x`; a prefill chunk on a bound thread runs it in NumPy, a
-    block of rows at a time: float32 as the same maths (NumPy's exp against MLX's: max
-    relative difference ~1e-6), half precision through `_half_silu` (MLX's bits)."""
+    """mlx-lm's `silu(gate) * x`; a prefill chunk on a bound thread runs it outside MLX:
+    float32 as the same maths through the shim's kernel, else in NumPy a block of rows at
+    a time (either exp against MLX's: max relative difference ~1e-6), half precision
+    through `_half_silu` (MLX's bits)."""
     if (gate.dtype != x.dtype or gate.shape != x.shape
             or (plan := _prefill_plan(gate, -2)) is None):
         return _stock_swiglu(gate, x)
@@ -629,6 +691,18 @@ def _swiglu(gate: mx.array, x: mx.array) -> mx.array:
     width = gate.shape[-1]
     g = np.asarray(gate).reshape(-1, width)
     u = np.asarray(x).reshape(-1, width)
+    shim_swiglu = _shim_kernels()[1]
+    if shim_swiglu is not None and g.flags.c_contiguous and u.flags.c_contiguous:
+
+        def shim_parts(out: np.ndarray) -> None:
+            def part(start: int, stop: int) -> None:
+                at = start * F32_BYTES
+                shim_swiglu(out.ctypes.data + at, g.ctypes.data + at, u.ctypes.data + at,
+                            stop - start)
+
+            _in_parts(g.size, part)
+
+        return _from_numpy(gate.shape, gate.dtype, shim_parts)
     rows = max(1, _BLOCK_ELEMENTS // width)
 
     def swiglu(out: np.ndarray) -> None:

@@ -2,7 +2,9 @@
 the same process (ABBA): `--compare rope-table` (default), a chunk's RoPE from a table
 (engine/rope_table.py) against `mx.fast.rope`; `--compare numpy-threads`, the chunk's
 NumPy softmax and SwiGLU (engine/fast_prefill.py) in parts on the decode kernels'
-threads against one thread; `--compare head-blocks`, the NumPy softmax over several
+threads against one thread; `--compare shim-softmax`, the chunk's softmax and float32
+SwiGLU through the CBLAS shim's kernels (engine/cblas_shim.c) against NumPy's passes;
+`--compare head-blocks`, the NumPy softmax over several
 whole heads a block where they are small against one head a block; `--compare
 numpy-output`, the NumPy SwiGLU writing into an MLX buffer against into an array of its
 own, copied into MLX after; `--compare idle`, a chunk after the process has been idle
@@ -14,6 +16,7 @@ default) against MLX's own limit (32 MiB on Linux CPU).
 
     python -m tools.bench_prefill_step --models small-fp32,medium-fp32,small --tokens 255
     python -m tools.bench_prefill_step --compare numpy-threads --rounds 24
+    python -m tools.bench_prefill_step --compare shim-softmax --models small-fp32,medium-fp32,small,medium
     python -m tools.bench_prefill_step --compare head-blocks --batch 8 --tokens 47
     python -m tools.bench_prefill_step --compare numpy-output --clear-cache
     OPENBLAS_THREAD_TIMEOUT=20 python -m tools.bench_prefill_step --compare idle
@@ -46,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1, help="prompts in the chunk")
     p.add_argument("--rounds", type=int, default=8, help="rounds per side, alternating")
     p.add_argument("--compare", default="rope-table",
-                   choices=("rope-table", "numpy-threads", "head-blocks", "numpy-output",
+                   choices=("rope-table", "numpy-threads", "shim-softmax", "head-blocks",
+                            "numpy-output",
                             "idle", "kept-cache", "mlx-pool"))
     p.add_argument("--idle", type=float, default=2.0,
                    help="seconds idle before an 'on' chunk of --compare idle")
@@ -81,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
 
         def off(count, run):
             return run(0, count)
+    elif args.compare == "shim-softmax":
+        target, name = fast_prefill, "_shim_kernels"
+
+        def off():
+            return None, None
     elif args.compare == "head-blocks":
         target, name = fast_prefill, "_heads_per_block"
 

@@ -18,7 +18,7 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine import fast_prefill, shim_decode
+from engine import blas, fast_prefill, shim_decode
 from engine.demo_models import DEMO_CORPUS, ensure_demo_variant
 from engine.loading import load_model
 from engine.model_engine import EngineSettings, ModelEngine
@@ -157,13 +157,19 @@ async def test_fp32_greedy_output_is_the_stock_paths_with_numpy_elementwise(demo
                              asyncio.wrap_future(stock.stop()))
 
 
-async def test_prompts_prefilled_together_keep_the_stock_tokens_with_heads_grouped(
-        demo_path, monkeypatch):
-    """Several prompts submitted at once on real engine threads with the defaults: each
-    one's greedy output is the stock path's, and the NumPy softmax held several whole
-    heads a block (129-150 tokens on the demo model's 4 heads: 3 heads a block). That the
-    grouping gives each head's own bits is checked where tokens would not show it:
+@pytest.mark.parametrize("softmax", ["shim", "numpy"])
+async def test_prompts_prefilled_together_keep_the_stock_tokens(demo_path, monkeypatch,
+                                                                softmax):
+    """Four prompts submitted at once (left padding: a mask array) and one alone, on real
+    engine threads with the defaults: each one's greedy output is the stock path's. With
+    the CBLAS shim loaded (the default on Linux) the chunks' softmax and SwiGLU run
+    through its kernels (tests/integration/test_shim_softmax.py); without it (MKL) in
+    NumPy, whose softmax then held several whole heads a block (129-150 tokens on the demo
+    model's 4 heads: 3 heads a block). That the grouping gives each head's own bits is
+    checked where tokens would not show it:
     `test_small_heads_softmaxed_together_give_each_heads_own_result`."""
+    if softmax == "shim" and blas.softmax_rows() is None:
+        pytest.skip("no CBLAS shim here")
     grouped: list[int] = []
     heads_per_block = fast_prefill._heads_per_block
 
@@ -171,7 +177,21 @@ async def test_prompts_prefilled_together_keep_the_stock_tokens_with_heads_group
         grouped.append(heads_per_block(n, s_len))
         return grouped[-1]
 
+    calls = {"softmax": 0, "swiglu": 0}
+    kernels = fast_prefill._shim_kernels
+
+    def counted():
+        def counting(name, fn):
+            def call(*args):
+                calls[name] += 1
+                return fn(*args)
+            return call
+
+        return tuple(counting(name, fn) for name, fn in zip(calls, kernels(), strict=True))
+
     monkeypatch.setattr(fast_prefill, "_heads_per_block", watched)
+    monkeypatch.setattr(fast_prefill, "_shim_kernels",
+                        counted if softmax == "shim" else lambda: (None, None))
     loop = asyncio.get_running_loop()
     fast = ModelEngine("fast", str(demo_path), loop, EngineSettings())
     stock = ModelEngine("stock", str(demo_path), loop, EngineSettings(fast_prefill=False))
@@ -182,10 +202,17 @@ async def test_prompts_prefilled_together_keep_the_stock_tokens_with_heads_group
         batch = [ids[7 * i:7 * i + length] for i, length in enumerate((129, 136, 143, 150))]
         assert all(len(p) >= fast_prefill.FLOAT32_MIN_TOKENS for p in batch)
         got = await asyncio.gather(*(greedy(fast, f"f{i}", p) for i, p in enumerate(batch)))
+        together = dict(calls)
+        got.append(await greedy(fast, "alone", ids[:200]))
         want = await asyncio.gather(*(greedy(stock, f"s{i}", p)
-                                      for i, p in enumerate(batch)))
+                                      for i, p in enumerate([*batch, ids[:200]])))
         assert got == want
-        assert grouped and max(grouped) > 1, grouped
+        if softmax == "shim":
+            assert together["softmax"] > 0 and together["swiglu"] > 0 and not grouped
+            assert calls["softmax"] > together["softmax"]  # the prompt alone: causal
+        else:
+            assert grouped and max(grouped) > 1, grouped
+            assert calls == {"softmax": 0, "swiglu": 0}
     finally:
         await asyncio.gather(asyncio.wrap_future(fast.stop()),
                              asyncio.wrap_future(stock.stop()))
@@ -348,10 +375,14 @@ def test_half_precision_swiglu_is_mlx_s_bit_for_bit(half):
         fast_prefill._thread.plan = None
 
 
+@pytest.mark.parametrize("shim", [True, False], ids=["shim", "numpy"])
 @pytest.mark.parametrize("half", [mx.float32, mx.bfloat16])
-def test_numpy_passes_split_over_threads_give_the_same_bits(half, monkeypatch):
-    """A chunk's softmax and SwiGLU run in parts on the decode kernels' thread count:
-    each row is one thread's, so any split gives the one-thread result bit for bit."""
+def test_numpy_passes_split_over_threads_give_the_same_bits(half, shim, monkeypatch):
+    """A chunk's softmax and SwiGLU run in parts on the decode kernels' thread count,
+    through the shim's kernels or NumPy's passes: each row is one thread's, so any split
+    gives the one-thread result bit for bit."""
+    if not shim:
+        monkeypatch.setattr(fast_prefill, "_shim_kernels", lambda: (None, None))
     plan = fast_prefill.FastPrefill(True, "test", dtype=str(half))
     plan.bind_thread()
     ran_on: list[str] = []
@@ -393,6 +424,7 @@ def test_small_heads_softmaxed_together_give_each_heads_own_result(monkeypatch, 
                                                                    n, s_len):
     """Short prompts in a batch: a block of the NumPy softmax holds several whole heads
     (each batch entry's own mask for all of them), the same bits as one head a block."""
+    monkeypatch.setattr(fast_prefill, "_shim_kernels", lambda: (None, None))
     b, h, kv = 3, 8, 2
     assert fast_prefill._BLOCK_ELEMENTS // (100 * 120) == 5  # the second shape's grouping
     mx.random.seed(5)

@@ -1,0 +1,122 @@
+"""A prefill chunk's softmax and float32 SwiGLU through the CBLAS shim's kernels
+(engine/cblas_shim.c `plimsoll_softmax_rows`, `plimsoll_swiglu`): against the NumPy passes
+they replace on every instruction set, the masks they take (each row's visible keys one
+interval). Real engines through them against the stock path:
+tests/integration/test_fast_prefill.py `test_prompts_prefilled_together_keep_the_stock_tokens`."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine import blas, fast_prefill
+from tests.integration.test_decode_kernel import _kernel_isa
+
+pytestmark = pytest.mark.skipif(
+    fast_prefill.environment_reason() is not None or blas.softmax_rows() is None,
+    reason="needs the CBLAS shim under MLX on a Linux CPU")
+
+
+def _mask(b: int, n: int, s_len: int, first: int, pads: list[int] | None,
+          window: int | None) -> np.ndarray:
+    """Visible keys (True) of a causal chunk of n queries after `first` keys, with each
+    batch entry's left padding and a sliding window: (B | 1, n, S)."""
+    q, k = np.arange(first, first + n)[:, None], np.arange(s_len)[None]
+    visible = k <= q
+    if window:
+        visible &= q < k + window
+    visible = np.broadcast_to(visible, (len(pads) if pads else 1, n, s_len)).copy()
+    for bi, pad in enumerate(pads or []):
+        visible[bi, :, :pad] = False
+    return visible
+
+
+def _numpy_softmax(s: np.ndarray, visible: np.ndarray | None, half: mx.Dtype) -> np.ndarray:
+    """What the NumPy passes give: one head of one batch entry a block."""
+    out, tmp = s.copy(), np.empty(s.shape[-2] * s.shape[-1], np.uint32)
+    for bi in range(s.shape[0]):
+        hidden = None if visible is None else ~visible[bi % visible.shape[0]]
+        for h in range(s.shape[1]):
+            block = np.ascontiguousarray(out[bi, h:h + 1])
+            fast_prefill._softmax_block(block, hidden, False, half, tmp)
+            out[bi, h] = block[0]
+    return out
+
+
+# (batch, heads, queries, keys, keys cached before the chunk, left pads, sliding window)
+SHAPES = [(1, 8, 256, 256, 0, None, None), (1, 3, 100, 300, 200, None, None),
+          (3, 2, 7, 33, 26, [0, 5, 26], None), (2, 4, 17, 40, 23, [3, 0], 9),
+          (2, 2, 9, 9, 0, [9, 2], None)]  # the last: an entry whose keys are all padding
+
+
+@pytest.mark.parametrize("isa", blas.KERNEL_ISAS)
+@pytest.mark.parametrize("half", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:4])))
+def test_the_shims_softmax_is_the_numpy_passes(isa, half, shape):
+    """Causal (given as "causal" or as a mask array), left-padded and sliding-window
+    chunks: float32 weights within 1e-6 of NumPy's (the exp's last bits), bfloat16 ones
+    equal but for a handful of roundings that a last bit tipped, each one step; the
+    hidden keys 0."""
+    b, h, n, s_len, first, pads, window = shape
+    rng = np.random.default_rng(n * s_len)
+    s = (rng.standard_normal((b, h, n, s_len)) * 6).astype(np.float32)
+    visible = _mask(b, n, s_len, first, pads, window)
+    causal_only = not pads and not window
+    mask = "causal" if causal_only else mx.array(visible[:, None])
+    lo, hi = fast_prefill._visible_windows(mask, n, s_len, first)
+    want = _numpy_softmax(s, visible, half)
+    with _kernel_isa(isa):
+        got = s.copy()
+        assert blas.softmax_rows()(fast_prefill.SHIM_SOFTMAX_KINDS[half], got.ctypes.data, 0,
+                                   b * h * n, s_len, lo.ctypes.data, hi.ctypes.data, n, h * n,
+                                   lo.shape[0]) == 0
+    hidden = ~np.broadcast_to(visible[:, None] if visible.shape[0] == b else visible,
+                              (b, h, n, s_len))
+    assert (got[hidden] == 0).all()
+    diff = np.abs(got - want)
+    if half == mx.float32:
+        assert diff.max() <= 1e-6
+    else:
+        assert (diff > 0).sum() <= max(4, diff.size // 10_000)
+        step = np.abs(want) * 2.0 ** -7 + 1e-30  # one bfloat16 step at each value
+        assert (diff <= step).all()
+
+
+def test_windows_are_taken_from_interval_masks_only():
+    """No mask, a causal one and boolean masks whose rows are each one interval become
+    windows (found once for a mask every layer of a chunk shares); an additive mask or a
+    row with a gap stays with the NumPy passes."""
+    n, s_len = 4, 10
+    lo, hi = fast_prefill._visible_windows(None, n, s_len, 6)
+    assert (lo == 0).all() and (hi == s_len).all()
+    lo, hi = fast_prefill._visible_windows("causal", n, s_len, 6)
+    assert lo.tolist() == [[0] * 4] and hi.tolist() == [[7, 8, 9, 10]]
+    padded = mx.array(_mask(2, n, s_len, 6, [3, 0], 5)[:, None])
+    lo, hi = fast_prefill._visible_windows(padded, n, s_len, 6)
+    assert lo.tolist() == [[3, 3, 4, 5], [2, 3, 4, 5]] and hi.tolist() == [[7, 8, 9, 10]] * 2
+    assert fast_prefill._visible_windows(padded, n, s_len, 6)[0] is lo  # found once
+    gap = np.ones((1, 1, n, s_len), bool)
+    gap[0, 0, 2, 5] = False
+    assert fast_prefill._visible_windows(mx.array(gap), n, s_len, 6) is None
+    assert fast_prefill._visible_windows(mx.zeros((1, 1, n, s_len)), n, s_len, 6) is None
+
+
+@pytest.mark.parametrize("isa", blas.KERNEL_ISAS)
+def test_the_shims_swiglu_is_numpys(isa):
+    """silu(g) * u within 2e-6 relative of NumPy's (1 / (1 + exp(-g))) * g * u, gates far
+    below zero (exp(-g) past float32) 0 as NumPy's, at any count."""
+    rng = np.random.default_rng(1)
+    g = (rng.standard_normal(100_003) * 10).astype(np.float32)
+    g[:4] = [-200.0, 200.0, -89.0, 87.0]
+    u = rng.standard_normal(g.size).astype(np.float32)
+    with np.errstate(over="ignore"):
+        want = np.reciprocal(np.exp(-g) + np.float32(1)) * g * u
+    with _kernel_isa(isa):
+        for count in (g.size, 17, 3):
+            got = np.full(g.size, np.nan, np.float32)
+            assert blas.swiglu()(got.ctypes.data, g.ctypes.data, u.ctypes.data, count) == 0
+            assert np.isnan(got[count:]).all()  # nothing past the count is written
+            rel = np.abs(got[:count] - want[:count]) / np.maximum(np.abs(want[:count]), 1e-30)
+            assert rel.max() <= 2e-6
+    assert got[0] == 0
