@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from memory.actions import (
@@ -46,10 +45,9 @@ from memory.plans.load import LoadResult, load_plan
 from memory.plans.model_limits import next_expiry_s
 from memory.plans.steps import Execute, Measure, Snapshot, Step
 from memory.plans.tick import PolicyState, TickResult, tick_plan
-from memory.protocols import PressureSink
+from memory.protocols import PressureSink, TickSample
 from memory.readings import MemoryReadings
 from memory.recording import Recorder
-from memory.views import EngineView
 from telemetry import names
 
 log = logging.getLogger(__name__)
@@ -60,23 +58,6 @@ R = TypeVar("R")
 ADMISSION_READING_SHARE_S = 0.05
 # The soonest the governor ticks again for a keep-alive that has run out.
 KEEP_ALIVE_TICK_MIN_S = 0.05
-
-
-@dataclass(frozen=True)
-class TickSample:
-    """What one tick saw and decided; sent to the sink and kept as status."""
-
-    at: float
-    level: PressureLevel
-    emergency: bool
-    readings: MemoryReadings
-    limits: Limits
-    session_bytes: int | None
-    deferred: bool
-    grace_polls: int
-    admission_paused: bool
-    poll_interval_s: float
-    engines: tuple[EngineView, ...]
 
 
 class NullSink:

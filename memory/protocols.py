@@ -9,6 +9,7 @@ implements `PressureSink`. `memory` imports none of those packages.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from memory.levels import PressureLevel, Tier
@@ -18,7 +19,6 @@ from memory.views import BankFigures, EngineView, QueueView
 if TYPE_CHECKING:
     from memory.actions import Action, Outcome, Transition
     from memory.ceiling import Limits
-    from memory.governor import TickSample
 
 
 class EngineHandle(Protocol):
@@ -142,6 +142,23 @@ class ReadingsSource(Protocol):
     """`memory.readings.MemoryReader` or a scripted stand-in."""
 
     def read(self, mlx_sample: MlxSample | None = None) -> MemoryReadings: ...
+
+
+@dataclass(frozen=True)
+class TickSample:
+    """What one governor tick saw and decided; sent to the sink and kept as status."""
+
+    at: float
+    level: PressureLevel
+    emergency: bool
+    readings: MemoryReadings
+    limits: Limits
+    session_bytes: int | None
+    deferred: bool
+    grace_polls: int
+    admission_paused: bool
+    poll_interval_s: float
+    engines: tuple[EngineView, ...]
 
 
 class PressureSink(Protocol):

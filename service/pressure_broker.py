@@ -25,8 +25,8 @@ from google.protobuf import timestamp_pb2
 from engine.errors import WATCHER_LIMIT, ResourceExhausted
 from memory.actions import Action, Outcome, Transition, model_of, reason_of
 from memory.ceiling import Limits
-from memory.governor import TickSample
 from memory.levels import PressureLevel
+from memory.protocols import TickSample
 from memory.readings import MemoryReadings
 from memory.recording import event_kind
 from plimsoll.v1 import control_pb2, types_pb2

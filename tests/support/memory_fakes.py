@@ -31,10 +31,11 @@ from memory.actions import (
 from memory.ceiling import Limits
 from memory.config import MemoryConfig
 from memory.executor import Executor
-from memory.governor import Governor, TickSample
+from memory.governor import Governor
 from memory.levels import GIB, PressureLevel, Tier
 from memory.plans.admission import AdmissionSettings
 from memory.plans.steps import Execute, Measure, Snapshot
+from memory.protocols import TickSample
 from memory.readings import MemoryReadings, MlxFigures
 from memory.recording import Recorder
 from memory.store_cache import StoreCacheGate

@@ -30,9 +30,16 @@ from memory.actions import (
 )
 from memory.config import MemoryConfig
 from memory.executor import Executor
-from memory.governor import Governor, TickSample
+from memory.governor import Governor
 from memory.levels import GIB, PressureLevel, Tier
-from memory.protocols import AdmissionDesk, EngineHandle, EnginePool, PressureSink, SessionTier
+from memory.protocols import (
+    AdmissionDesk,
+    EngineHandle,
+    EnginePool,
+    PressureSink,
+    SessionTier,
+    TickSample,
+)
 from memory.recording import Recorder, entry_for
 from memory.views import RequestView
 from telemetry import names
