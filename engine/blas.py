@@ -439,13 +439,13 @@ def half_gemv() -> Callable[..., int] | None:
     return _shim_function("plimsoll_half_gemv", [i, i, i, p, ll, p, ll, p, ll, i, i], i)
 
 
-SOFTMAX_F32, SOFTMAX_BF16 = 0, 1  # engine/cblas_shim.c's softmax kinds
+SOFTMAX_F32, SOFTMAX_BF16, SOFTMAX_F16 = 0, 1, 2  # engine/cblas_shim.c's softmax kinds
 
 
 def softmax_rows() -> Callable[..., int] | None:
     """The shim's prefill softmax (`plimsoll_softmax_rows` in engine/cblas_shim.c) as a
     ctypes function, or None without the shim. Its arguments: kind (SOFTMAX_F32, or
-    SOFTMAX_BF16 to round as a bfloat16 model's attention does), the pointer to
+    SOFTMAX_BF16 / SOFTMAX_F16 to round as such a model's attention does), the pointer to
     contiguous rows x columns float32 scores, first and end row, columns, pointers to the
     int64 first and end visible key of each window, queries per head, rows per batch
     entry and the window sets (1, or one per batch entry); it returns 0, or -1 for bad

@@ -917,21 +917,22 @@ static int shown_product(int order, int trans_a, int trans_b, int m, int n, int 
  * SwiGLU one, ~4x and ~3x faster on 256 x 256 scores and 256 x 1536 activations. The exp
  * is Cephes' single-precision one (range reduction by ln 2 in two parts, a degree-6
  * polynomial: within 2 ulp of NumPy's), flushed to 0 below -87.3 where NumPy's gives
- * values under 1.2e-38. NumPy's order of operations is kept: the scores rounded to
- * bfloat16 first where a bfloat16 model's attention rounds them (to nearest even on the
- * top 16 bits), the maximum subtracted, the exponentials divided by their sum, the
+ * values under 1.2e-38, and inf above 88 (NumPy's from 88.7). NumPy's order of
+ * operations is kept: the scores rounded to bfloat16 or float16 first where such a
+ * model's attention rounds them (to nearest
+ * even), the maximum subtracted, the exponentials divided by their sum, the
  * weights rounded again; SwiGLU as (1 / (1 + exp(-g))) * g * u.
  *
  * A row past the end of its vectors is read and written a value at a time through a
  * vector of its own, padded with -inf (whose exp is 0); the empty asm statements keep
  * such loops from becoming calls to memcpy or memset, which a -nostdlib build has not
  * got. */
-enum { SOFTMAX_F32 = 0, SOFTMAX_BF16 = 1 };
+enum { SOFTMAX_F32 = 0, SOFTMAX_BF16 = 1, SOFTMAX_F16 = 2 };
 
 #define SOFTMAX_FUNCS(SUFFIX, ATTR, VF, VI, VU, WL)                                         \
-  ATTR static inline __attribute__((always_inline)) VF exp_##SUFFIX(VF x) {                                                \
+  ATTR static inline __attribute__((always_inline)) VF exp_##SUFFIX(VF x) {                 \
     const VF lo = (VF){} - 87.3365478515625f, hi = (VF){} + 88.0f;                          \
-    VI under = x < lo;                                                                      \
+    VI under = x < lo, over = x > hi;                                                       \
     x = (VF)(((VI)x & (x < hi)) | ((VI)hi & ~(x < hi)));                                    \
     x = (VF)(((VI)x & ~under) | ((VI)lo & under));                                          \
     const VF shift = (VF){} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */ \
@@ -946,17 +947,39 @@ enum { SOFTMAX_F32 = 0, SOFTMAX_BF16 = 1 };
     p = p * r + 5.0000001201e-1f;                                                           \
     p = p * (r * r) + (r + 1.0f);                                                           \
     VI e = (__builtin_convertvector(n, VI) + 127) << 23;                                    \
-    return (VF)((VI)(p * (VF)e) & ~under);                                                  \
+    VF inf = (VF){} + __builtin_inff();                                                     \
+    return (VF)(((VI)(p * (VF)e) & ~under & ~over) | ((VI)inf & over));                     \
   }                                                                                         \
                                                                                             \
-  ATTR static inline __attribute__((always_inline)) VF round_bf16_##SUFFIX(VF v) {                                         \
+  ATTR static inline __attribute__((always_inline)) VF round_bf16_##SUFFIX(VF v) {          \
     VU bits = (VU)v;                                                                        \
     bits += 0x7FFFu + ((bits >> 16) & 1u);                                                  \
     return (VF)(bits & 0xFFFF0000u);                                                        \
   }                                                                                         \
                                                                                             \
+  /* To the nearest float16 (even on ties), as float32: 10 bits of mantissa; below 2^-14    \
+   * multiples of 2^-24 (adding and taking away 0.75 rounds there, the sign kept); past  \
+   * 65504 inf. */                                                                         \
+  ATTR static inline __attribute__((always_inline)) VF round_f16_##SUFFIX(VF v) {           \
+    VU bits = (VU)v, sign = bits & 0x80000000u;                                             \
+    VU normal = (bits + 0xFFFu + ((bits >> 13) & 1u)) & 0xFFFFE000u;                        \
+    VF tiny = (v + 0.75f) - 0.75f;                                                          \
+    VU mag = bits & 0x7FFFFFFFu;                                                            \
+    VU r = (VU)(((VI)normal & (VI)(mag >= 0x38800000u)) |                                   \
+                ((VI)((VU)tiny | sign) & ~(VI)(mag >= 0x38800000u)));                       \
+    VI over = (VI)((r & 0x7FFFFFFFu) > 0x477FE000u) & (VI)(mag < 0x7F800000u);              \
+    return (VF)(((VI)r & ~over) | ((VI)(sign | 0x7F800000u) & over));                       \
+  }                                                                                         \
+                                                                                            \
+  ATTR static inline __attribute__((always_inline)) VF round_to_##SUFFIX(int kind, VF v) {  \
+    return kind == SOFTMAX_BF16 ? round_bf16_##SUFFIX(v)                                    \
+         : kind == SOFTMAX_F16  ? round_f16_##SUFFIX(v)                                     \
+                                : v;                                                        \
+  }                                                                                         \
+                                                                                            \
   /* `count` values of row at `at` into a vector, the lanes past them -inf. */              \
-  ATTR static inline __attribute__((always_inline)) VF load_part_##SUFFIX(const float *row, i64 at, i64 count) {           \
+  ATTR static inline __attribute__((always_inline)) VF load_part_##SUFFIX(                  \
+      const float *row, i64 at, i64 count) {                                                \
     union { VF v; float f[WL]; } part;                                                      \
     for (int l = 0; l < (WL); l++) {                                                        \
       part.f[l] = l < count ? row[at + l] : -__builtin_inff();                              \
@@ -965,7 +988,8 @@ enum { SOFTMAX_F32 = 0, SOFTMAX_BF16 = 1 };
     return part.v;                                                                          \
   }                                                                                         \
                                                                                             \
-  ATTR static inline __attribute__((always_inline)) void store_part_##SUFFIX(float *row, i64 at, i64 count, VF v) {        \
+  ATTR static inline __attribute__((always_inline)) void store_part_##SUFFIX(               \
+      float *row, i64 at, i64 count, VF v) {                                                \
     union { VF v; float f[WL]; } part = {v};                                                \
     for (int l = 0; l < count; l++) {                                                       \
       row[at + l] = part.f[l];                                                              \
@@ -986,10 +1010,9 @@ enum { SOFTMAX_F32 = 0, SOFTMAX_BF16 = 1 };
     }                                                                                       \
   }                                                                                         \
                                                                                             \
-  ATTR static void softmax_##SUFFIX(int kind, float *s, i64 r0, i64 r1, i64 cols,         \
-                                     const i64 *lo, const i64 *hi, i64 n, i64 per_batch,   \
+  ATTR static void softmax_##SUFFIX(int kind, float *s, i64 r0, i64 r1, i64 cols,           \
+                                     const i64 *lo, const i64 *hi, i64 n, i64 per_batch,    \
                                      i64 batches) {                                         \
-    const int bf16 = kind == SOFTMAX_BF16;                                                  \
     for (i64 i = r0; i < r1; i++) {                                                         \
       i64 w = (batches > 1 ? i / per_batch : 0) * n + i % n;                                \
       i64 a = lo[w] < 0 ? 0 : lo[w] < cols ? lo[w] : cols;                                  \
@@ -999,7 +1022,7 @@ enum { SOFTMAX_F32 = 0, SOFTMAX_BF16 = 1 };
       VF top = (VF){} - __builtin_inff();                                                   \
       for (i64 j = 0; j <= full; j += (WL)) {                                               \
         VF v = j < full ? *(VF *)(row + j) : load_part_##SUFFIX(row, j, valid - j);         \
-        if (bf16) v = round_bf16_##SUFFIX(v);                                               \
+        v = round_to_##SUFFIX(kind, v);                                                     \
         top = (VF)(((VI)v & (v > top)) | ((VI)top & ~(v > top)));                           \
       }                                                                                     \
       float m = top[0];                                                                     \
@@ -1008,7 +1031,7 @@ enum { SOFTMAX_F32 = 0, SOFTMAX_BF16 = 1 };
       VF sum = (VF){};                                                                      \
       for (i64 j = 0; j <= full; j += (WL)) {                                               \
         VF v = j < full ? *(VF *)(row + j) : load_part_##SUFFIX(row, j, valid - j);         \
-        if (bf16) v = round_bf16_##SUFFIX(v);                                               \
+        v = round_to_##SUFFIX(kind, v);                                                     \
         v = exp_##SUFFIX(v - m);                                                            \
         sum += v;                                                                           \
         if (j < full) *(VF *)(row + j) = v;                                                 \
@@ -1020,7 +1043,7 @@ enum { SOFTMAX_F32 = 0, SOFTMAX_BF16 = 1 };
       for (i64 j = 0; j <= full; j += (WL)) {                                               \
         VF v = j < full ? *(VF *)(row + j) : load_part_##SUFFIX(row, j, valid - j);         \
         v = v / total;                                                                      \
-        if (bf16) v = round_bf16_##SUFFIX(v);                                               \
+        v = round_to_##SUFFIX(kind, v);                                                     \
         if (j < full) *(VF *)(row + j) = v;                                                 \
         else store_part_##SUFFIX(row, j, valid - j, v);                                     \
       }                                                                                     \
@@ -1030,20 +1053,19 @@ enum { SOFTMAX_F32 = 0, SOFTMAX_BF16 = 1 };
   }                                                                                         \
                                                                                             \
   ATTR static void swiglu_##SUFFIX(float *out, const float *g, const float *u, i64 count) { \
-    const VF hi = (VF){} + 88.0f;                                                           \
     i64 full = count / (WL) * (WL);                                                         \
     for (i64 j = 0; j <= full; j += (WL)) {                                                 \
       VF gv = j < full ? *(const VF *)(g + j) : load_part_##SUFFIX(g, j, count - j);        \
       VF uv = j < full ? *(const VF *)(u + j) : load_part_##SUFFIX(u, j, count - j);        \
-      VF sig = 1.0f / (exp_##SUFFIX(-gv) + 1.0f);                                           \
-      sig = (VF)((VI)sig & ~(-gv > hi)); /* exp(-g) past float32: sigmoid 0 */              \
+      VF sig = 1.0f / (exp_##SUFFIX(-gv) + 1.0f); /* exp(-g) inf past 88: sigmoid 0 */      \
       VF v = sig * gv * uv;                                                                 \
       if (j < full) *(VF *)(out + j) = v;                                                   \
       else store_part_##SUFFIX(out, j, count - j, v);                                       \
     }                                                                                       \
   }
 
-/* Portable: 16-byte vectors, which any x86_64 (SSE2) or aarch64 (NEON) passes in registers. */
+/* Portable: 16-byte vectors, which any x86_64 (SSE2) or aarch64 (NEON) passes in
+ * registers. */
 typedef float v4f __attribute__((vector_size(16), aligned(4)));
 typedef int v4i32 __attribute__((vector_size(16)));
 typedef unsigned int v4u32 __attribute__((vector_size(16)));
@@ -1058,12 +1080,12 @@ SOFTMAX_FUNCS(avx512, AVX512_ATTR, v16f, v16i32, v16u32, 16)
  * sliding windows all leave one interval), the other keys set to 0. The rows are
  * `batches` (1, or one per window set) groups of per_batch rows, each group n queries
  * after n queries (heads one after another); row i's window is lo[w], hi[w] with w = its
- * group (when batches > 1) times n plus i % n. kind: SOFTMAX_F32, or SOFTMAX_BF16 to
- * round as a bfloat16 model's attention does. Returns 0, or -1 for arguments it does not
- * take. */
+ * group (when batches > 1) times n plus i % n. kind: SOFTMAX_F32, or SOFTMAX_BF16 or
+ * SOFTMAX_F16 to round as a bfloat16 or float16 model's attention does. Returns 0, or -1
+ * for arguments it does not take. */
 int plimsoll_softmax_rows(int kind, float *s, i64 r0, i64 r1, i64 cols, const i64 *lo,
                           const i64 *hi, i64 n, i64 per_batch, i64 batches) {
-  if ((kind != SOFTMAX_F32 && kind != SOFTMAX_BF16) || !s || !lo || !hi || r0 < 0 ||
+  if (kind < SOFTMAX_F32 || kind > SOFTMAX_F16 || !s || !lo || !hi || r0 < 0 ||
       r1 < r0 || cols < 1 || n < 1 || per_batch < n || batches < 1 ||
       (batches > 1 && r1 > per_batch * batches))
     return -1;

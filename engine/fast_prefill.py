@@ -425,9 +425,10 @@ def _in_parts(count: int, run: Callable[[int, int], None]) -> None:
 
 # The shim's softmax and SwiGLU (engine/cblas_shim.c): one to three passes where NumPy
 # makes six to nine, ~4x (softmax) and ~3x (SwiGLU) faster, and a causal chunk's hidden
-# keys are never exponentiated. float16 scores, additive masks, masks whose rows are not
-# one window of keys, and half-precision SwiGLU (a table of MLX's own bits) stay in NumPy.
-SHIM_SOFTMAX_KINDS = {mx.float32: blas.SOFTMAX_F32, mx.bfloat16: blas.SOFTMAX_BF16}
+# keys are never exponentiated. Additive masks, masks whose rows are not one window of
+# keys, and half-precision SwiGLU (a table of MLX's own bits) stay in NumPy.
+SHIM_SOFTMAX_KINDS = {mx.float32: blas.SOFTMAX_F32, mx.bfloat16: blas.SOFTMAX_BF16,
+                      mx.float16: blas.SOFTMAX_F16}
 
 
 def _shim_kernels() -> tuple[Callable[..., int] | None, Callable[..., int] | None]:

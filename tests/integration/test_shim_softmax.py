@@ -51,13 +51,13 @@ SHAPES = [(1, 8, 256, 256, 0, None, None), (1, 3, 100, 300, 200, None, None),
 
 
 @pytest.mark.parametrize("isa", blas.KERNEL_ISAS)
-@pytest.mark.parametrize("half", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("half", [mx.float32, mx.bfloat16, mx.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:4])))
 def test_the_shims_softmax_is_the_numpy_passes(isa, half, shape):
     """Causal (given as "causal" or as a mask array), left-padded and sliding-window
-    chunks: float32 weights within 1e-6 of NumPy's (the exp's last bits), bfloat16 ones
-    equal but for a handful of roundings that a last bit tipped, each one step; the
-    hidden keys 0."""
+    chunks: float32 weights within 1e-6 of NumPy's (the exp's last bits), bfloat16 and
+    float16 ones equal but for a handful of roundings that a last bit tipped, each one
+    step; the hidden keys 0."""
     b, h, n, s_len, first, pads, window = shape
     rng = np.random.default_rng(n * s_len)
     s = (rng.standard_normal((b, h, n, s_len)) * 6).astype(np.float32)
@@ -79,7 +79,9 @@ def test_the_shims_softmax_is_the_numpy_passes(isa, half, shape):
         assert diff.max() <= 1e-6
     else:
         assert (diff > 0).sum() <= max(4, diff.size // 10_000)
-        step = np.abs(want) * 2.0 ** -7 + 1e-30  # one bfloat16 step at each value
+        # One step at each value (float16: 2^-24 at least, its subnormals' spacing).
+        step = (np.abs(want) * 2.0 ** -7 + 1e-30 if half == mx.bfloat16
+                else np.maximum(np.abs(want) * 2.0 ** -10, 2.0 ** -24))
         assert (diff <= step).all()
 
 
@@ -120,3 +122,32 @@ def test_the_shims_swiglu_is_numpys(isa):
             rel = np.abs(got[:count] - want[:count]) / np.maximum(np.abs(want[:count]), 1e-30)
             assert rel.max() <= 2e-6
     assert got[0] == 0
+
+
+@pytest.mark.parametrize("isa", blas.KERNEL_ISAS)
+@pytest.mark.parametrize("half", [mx.bfloat16, mx.float16])
+def test_half_precision_roundings_at_the_edges_are_numpys(isa, half):
+    """The weights of a row of equal scores are 1/keys rounded: float16 normals and
+    subnormals (from 16,385 keys) and bfloat16 ones, bit for bit NumPy's rounding. A
+    score past the dtype's largest value rounds to inf and its row is NaN, as NumPy's
+    passes make it."""
+    kind = fast_prefill.SHIM_SOFTMAX_KINDS[half]
+    dtype = np.float16 if half == mx.float16 else None
+    with _kernel_isa(isa):
+        for cols in (1, 3, 7, 10, 1000, 3000, 20_000, 100_000):
+            s = np.zeros((1, cols), np.float32)
+            lo, hi = np.zeros((1, 1), np.int64), np.full((1, 1), cols, np.int64)
+            assert blas.softmax_rows()(kind, s.ctypes.data, 0, 1, cols, lo.ctypes.data,
+                                       hi.ctypes.data, 1, 1, 1) == 0
+            want = _numpy_softmax(np.zeros((1, 1, 1, cols), np.float32), None, half)[0, 0]
+            assert np.array_equal(s, want), cols
+            if dtype is not None:
+                assert (s == np.float32(1 / np.float32(cols)).astype(dtype)).all()
+        big = np.array([[[[1e5 if half == mx.float16 else 3.4e38, 0.0, 1.0]]]], np.float32)
+        got = big[0, 0].copy()
+        lo, hi = np.zeros((1, 1), np.int64), np.full((1, 1), 3, np.int64)
+        blas.softmax_rows()(kind, got.ctypes.data, 0, 1, 3, lo.ctypes.data, hi.ctypes.data,
+                            1, 1, 1)
+        with np.errstate(all="ignore"):  # inf - inf, and the cast past float16
+            want = _numpy_softmax(big, None, half)[0, 0]
+        assert np.array_equal(got, want, equal_nan=True) and np.isnan(want).any(), (got, want)
