@@ -482,9 +482,9 @@ def _attention_f32(q: mx.array, k: mx.array, v: mx.array, mask: Any,
                    half: mx.Dtype) -> mx.array:
     """softmax(q k^T + mask) v for scaled float32 (B, H, L, D) queries and (B, KV, S, D)
     keys and values: the products through BLAS, the softmax through the shim's kernel or
-    in NumPy, in place, a block of rows at a time. The scores and the weights are rounded to `half` where MLX's own
+    in NumPy, in place. The scores and the weights are rounded to `half` where MLX's own
     half-precision attention rounds them, so the two differ only by the products'
-    summation order (and NumPy's exp against MLX's).
+    summation order (and the exp against MLX's).
 
     A causal chunk is taken `CAUSAL_ROWS` queries at a time, each block with only the
     keys up to its last query: the hidden upper triangle is neither multiplied nor
@@ -527,6 +527,38 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, mask: Any, half: mx.Dtype,
     scores = q.reshape(b, kv, rep * n, d) @ k.swapaxes(-1, -2)
     mx.eval(scores, *([mask] if isinstance(mask, mx.array) else []))
     s = np.array(scores, copy=False).reshape(b, h, n, s_len)
+    if not _shim_softmax(s, mask, half, first):
+        _numpy_softmax(s, mask, half, first)
+    # The values' head size, which may differ from the queries' (MLA models).
+    return (scores @ v).reshape(b, h, n, v.shape[-1])
+
+
+def _shim_softmax(s: np.ndarray, mask: Any, half: mx.Dtype, first: int) -> bool:
+    """The softmax of (B, H, L, S) scores, in place, through the shim's kernel, in parts
+    on the kernels' threads; False (nothing done) where the kernel does not take them."""
+    softmax_rows = _shim_kernels()[0]
+    b, h, n, s_len = s.shape
+    if softmax_rows is None or half not in SHIM_SOFTMAX_KINDS or not s.flags.c_contiguous:
+        return False
+    windows = _visible_windows(mask, n, s_len, first)
+    if windows is None:
+        return False
+    lo, hi = windows
+    kind, at = SHIM_SOFTMAX_KINDS[half], s.ctypes.data
+
+    def rows(start: int, stop: int) -> None:
+        if softmax_rows(kind, at, start, stop, s_len, lo.ctypes.data, hi.ctypes.data,
+                        n, h * n, lo.shape[0]):
+            raise RuntimeError(f"the shim's softmax refused scores of {s.shape}")
+
+    _in_parts(b * h * n, rows)
+    return True
+
+
+def _numpy_softmax(s: np.ndarray, mask: Any, half: mx.Dtype, first: int) -> None:
+    """The softmax of (B, H, L, S) scores, in place, in NumPy passes over blocks that stay
+    in the CPU's cache, in parts on the kernels' threads."""
+    b, h, n, s_len = s.shape
     hidden: np.ndarray | None = None  # (B | 1, L, S): True where a key is hidden
     additive = False
     if isinstance(mask, str):  # "causal"
@@ -537,21 +569,6 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, mask: Any, half: mx.Dtype,
         m = m.reshape(-1, n, s_len)
         additive = m.dtype != np.bool_
         hidden = m.astype(np.float32, copy=False) if additive else ~m
-    softmax_rows = _shim_kernels()[0]
-    windows = (_visible_windows(mask, n, s_len, first)
-               if softmax_rows is not None and half in SHIM_SOFTMAX_KINDS
-               and s.flags.c_contiguous else None)
-    if windows is not None:
-        lo, hi = windows
-        kind, at = SHIM_SOFTMAX_KINDS[half], s.ctypes.data
-
-        def shim_rows(start: int, stop: int) -> None:
-            if softmax_rows(kind, at, start, stop, s_len, lo.ctypes.data, hi.ctypes.data,
-                            n, h * n, lo.shape[0]):
-                raise RuntimeError(f"the shim's softmax refused {s.shape}")
-
-        _in_parts(b * h * n, shim_rows)
-        return (scores @ v).reshape(b, h, n, v.shape[-1])
     heads = _heads_per_block(n, s_len)
     rows = n if heads > 1 else max(1, _BLOCK_ELEMENTS // s_len)
     blocks = [(bi, h0, i) for bi in range(b) for h0 in range(0, h, heads)
@@ -565,8 +582,6 @@ def _attend(q: mx.array, k: mx.array, v: mx.array, mask: Any, half: mx.Dtype,
                            else mrows[i:i + rows], additive, half, tmp)
 
     _in_parts(len(blocks), softmax)
-    # The values' head size, which may differ from the queries' (MLA models).
-    return (scores @ v).reshape(b, h, n, v.shape[-1])
 
 
 def _visible_windows(mask: Any, n: int, s_len: int,
@@ -584,9 +599,10 @@ def _visible_windows(mask: Any, n: int, s_len: int,
     if m.dtype != np.bool_:
         return None
     m = m.reshape(-1, n, s_len)
-    # A mask is the same array for every layer of a chunk: its windows are found once.
+    # A mask is the same array for every layer of a chunk: its windows are found once
+    # (held beside a weak reference, so a chunk's mask is not kept past its chunk).
     seen = getattr(_thread, "windows", None)
-    if seen is not None and seen[0] is mask:
+    if seen is not None and seen[0]() is mask:
         return seen[1]
     count = m.sum(axis=-1, dtype=np.int64)
     lo = np.argmax(m, axis=-1).astype(np.int64)
@@ -595,7 +611,7 @@ def _visible_windows(mask: Any, n: int, s_len: int,
     if not np.array_equal(np.where(count > 0, ends, lo), hi):
         return None  # a row with a gap
     windows = lo, hi
-    _thread.windows = (mask, windows)
+    _thread.windows = (weakref.ref(mask), windows)
     return windows
 
 
