@@ -625,6 +625,47 @@ def _numpy_mask_ok(mask: Any, q: mx.array, s_len: int) -> bool:
     return mask.ndim == 2 or mask.ndim == 3 and mask.shape[0] == 1
 
 
+# A float32 model's decode step attends each sequence's one query over its whole cache
+# with MLX's softmax, whose exp is scalar and calls libm's fmaf out of line: from ~1,000
+# keys that is a large part of the step (small demo model, 4,000 keys: 2.7 ms of 13.7).
+# From DECODE_SOFTMAX_MIN_KEYS keys the step evaluates a layer's scores, runs the shim's
+# softmax on them in place and leaves the values' product lazy: one evaluation a layer,
+# which measured no slower at 256 keys and 1.17x / 1.37x faster at 2,048 / 4,000
+# (docs/benchmarks.md). Half-precision models keep MLX's (or the kernels') attention: a
+# float32 copy of a long cache is what their bound (`decode_attention_bytes`) keeps out.
+DECODE_SOFTMAX_MIN_KEYS = 512
+
+
+def _long_decode_ok(queries: mx.array, keys: mx.array, mask: Any, sinks: Any, cache: Any,
+                    kwargs: dict) -> bool:
+    """A float32 decode step over at least DECODE_SOFTMAX_MIN_KEYS keys on a bound
+    thread, with a mask (if any) that the NumPy path reads too."""
+    return (getattr(_thread, "plan", None) is not None and queries.ndim == 4
+            and queries.shape[2] == 1 and keys.shape[2] >= DECODE_SOFTMAX_MIN_KEYS
+            and queries.dtype == mx.float32 and keys.dtype == mx.float32
+            and queries.shape[1] % keys.shape[1] == 0 and sinks is None and not kwargs
+            and not hasattr(cache, "bits") and _shim_kernels()[0] is not None
+            and (mask is None or isinstance(mask, str)
+                 or (isinstance(mask, mx.array) and mask.dtype == mx.bool_
+                     and _numpy_mask_ok(mask, queries, keys.shape[2]))))
+
+
+def _long_decode_attention(queries: mx.array, keys: mx.array, values: mx.array,
+                           scale: float, mask: Any) -> mx.array:
+    """softmax(q k^T * scale + mask) v for one float32 query per sequence: the scores
+    evaluated, their softmax in place through the shim (NumPy's passes for a mask that is
+    not one window of keys a row), the values' product lazy."""
+    b, h, _, d = queries.shape
+    kv, s_len = keys.shape[1], keys.shape[2]
+    q = (queries * scale).reshape(b, kv, h // kv, d)  # heads g * rep + r share key head g
+    scores = q @ keys.swapaxes(-1, -2)  # (B, KV, rep, S)
+    mx.eval(scores, *([mask] if isinstance(mask, mx.array) else []))
+    s = np.array(scores, copy=False).reshape(b, h, 1, s_len)
+    if not _shim_softmax(s, mask, mx.float32, s_len - 1):
+        _numpy_softmax(s, mask, mx.float32, s_len - 1)
+    return (scores @ values).reshape(b, h, 1, values.shape[-1])
+
+
 def _decode_attention_ok(queries: mx.array, keys: mx.array, mask: Any, sinks: Any,
                          cache: Any, kwargs: dict) -> bool:
     """A decode step's attention in a half-precision or quantized model on a thread
@@ -655,9 +696,12 @@ def decode_attention_bytes(plan: FastPrefill) -> int:
 
 def _sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
     """mlx-lm's attention; a prefill chunk on a bound thread runs it in float32, and so
-    do a decode step's products where the plan decodes through the shim."""
+    do a decode step's products where the plan decodes through the shim; a float32
+    decode step over a long cache takes the shim's softmax."""
     if _decode_attention_ok(queries, keys, mask, sinks, cache, kwargs):
         return shim_decode.decode_attention(queries, keys, values, scale, mask)
+    if _long_decode_ok(queries, keys, mask, sinks, cache, kwargs):
+        return _long_decode_attention(queries, keys, values, scale, mask)
     if (queries.ndim != 4 or hasattr(cache, "bits") or kwargs
             or (plan := _prefill_plan(queries, 2)) is None):
         return _stock_sdpa(queries, keys, values, cache, scale, mask, sinks, **kwargs)

@@ -7,12 +7,16 @@ float32 quantized product where that was measured faster); `--compare skinny`, a
 model's products of a few rows through the shim's kernel (engine/cblas_shim.c, "a float32
 weight through the same kernel") against OpenBLAS, with the server's other decode paths on;
 `--compare isa`, the decode kernels on AVX-512 against AVX2 (engine/blas.py
-`limit_kernel_isa`), with the server's decode paths on.
+`limit_kernel_isa`), with the server's decode paths on; `--compare long-softmax`, a
+float32 model's decode attention with the shim's softmax on evaluated scores
+(engine/fast_prefill.py `DECODE_SOFTMAX_MIN_KEYS`) against MLX's lazy attention, after a
+`--context`-token prompt.
 
     python -m tools.bench_decode_step --models small-fp32,medium-fp32,small --batch 1,4
     python -m tools.bench_decode_step --compare kernel --models small,medium,small-4bit --batch 1,4
     python -m tools.bench_decode_step --compare skinny --models tiny,small-fp32,medium-fp32 --batch 1,4,8
     python -m tools.bench_decode_step --compare isa --models small,medium,small-4bit --batch 1,4
+    python -m tools.bench_decode_step --compare long-softmax --models small-fp32 --batch 1 --context 2000
 
 Per model and batch size: the median step time of each side over the rounds, their ratio,
 and whether every step's logits were equal bit for bit (for the kernel: the largest
@@ -62,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1,4", help="sequences decoded together")
     p.add_argument("--steps", type=int, default=32, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=6, help="rounds per side, alternating")
-    p.add_argument("--compare", choices=("compiled", "kernel", "skinny", "isa"),
+    p.add_argument("--compare", choices=("compiled", "kernel", "skinny", "isa", "long-softmax"),
                    default="compiled")
+    p.add_argument("--context", type=int, default=None,
+                   help="prompt tokens before the measured steps (default: 64 + 7 per "
+                   "sequence)")
     args = p.parse_args(argv)
     print(f"BLAS: {blas.preload().description}", flush=True)
     import mlx.core as mx
@@ -72,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     from engine.demo_models import ensure_demo
     from engine.loading import load_model
 
-    kernel = args.compare in ("kernel", "skinny", "isa")
+    long_min = fast_prefill.DECODE_SOFTMAX_MIN_KEYS
+
+    kernel = args.compare in ("kernel", "skinny", "isa", "long-softmax")
     if args.compare == "isa" and blas.limit_kernel_isa("avx512") != "avx512":
         print("no AVX-512 decode kernel here (no shim, or a CPU without AVX-512)",
               file=sys.stderr)
@@ -85,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         print("| model | batch | AVX2 step (ms) | AVX-512 step (ms) | AVX2 / AVX-512 | "
               "max logprob difference | tokens equal |")
         print("|---|---:|---:|---:|---:|---:|---|")
+    elif args.compare == "long-softmax":
+        print("| model | batch | keys | MLX's softmax step (ms) | shim's softmax step (ms) | "
+              "MLX / shim | max logprob difference | tokens equal |")
+        print("|---|---:|---:|---:|---:|---:|---:|---|")
     elif kernel:
         print("| model | batch | stock step (ms) | kernel step (ms) | stock / kernel | "
               "max logprob difference | tokens equal |")
@@ -96,11 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         path = ensure_demo(name)
         model = load_model(str(path)).model
-        if args.compare in ("skinny", "isa"):  # the server's decode paths, on both sides
-            fast_prefill.install(model)
+        if args.compare in ("skinny", "isa", "long-softmax"):  # the server's decode paths
+            fast_prefill.install(model).bind_thread()
             compiled_decode.install(model)
         for batch in (int(b) for b in args.batch.split(",")):
-            prompts = [list(range(5 + i, 69 + 7 * i)) for i in range(batch)]
+            prompts = ([list(range(5 + i, 69 + 7 * i)) for i in range(batch)]
+                       if args.context is None else
+                       [[5 + (i + 7 * b) % 4000 for i in range(args.context)]
+                        for b in range(batch)])
             med: dict[bool, list[float]] = {True: [], False: []}
             logits_of: dict[bool, list] = {}
             equal = True
@@ -114,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
                     plan, undo = None, _keep
                 elif args.compare == "isa":
                     blas.limit_kernel_isa("avx512" if on else "avx2")
+                    plan, undo = None, _keep
+                elif args.compare == "long-softmax":
+                    fast_prefill.DECODE_SOFTMAX_MIN_KEYS = long_min if on else 1 << 62
                     plan, undo = None, _keep
                 elif kernel:
                     plan = fast_prefill.install(model, decode_kernel=on)
@@ -145,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                            for a, b in pairs)
                 same = all(mx.array_equal(mx.argmax(a, axis=-1), mx.argmax(b, axis=-1)).item()
                            for a, b in pairs)
-                print(f"| {name} | {batch} | {s:.2f} | {c:.2f} | {s / c:.3f} | {diff:.4f} | "
-                      f"{'yes' if same else 'no'} |", flush=True)
+                keys = (f"{len(prompts[0]) + args.steps // 2} | "
+                        if args.compare == "long-softmax" else "")
+                print(f"| {name} | {batch} | {keys}{s:.2f} | {c:.2f} | {s / c:.3f} | "
+                      f"{diff:.4f} | {'yes' if same else 'no'} |", flush=True)
             else:
                 equal &= all(mx.array_equal(a, b).item()
                              for a, b in zip(logits_of[True], logits_of[False], strict=True))

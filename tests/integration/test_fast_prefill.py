@@ -8,8 +8,10 @@ where that cannot be loaded every test here is skipped, saying why.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import warnings
+from collections.abc import AsyncIterator
 
 import grpc
 import mlx.core as mx
@@ -90,6 +92,22 @@ async def greedy(engine: ModelEngine, rid: str, ids: list[int],
             return tokens
 
 
+@contextlib.asynccontextmanager
+async def fast_and_stock(path) -> AsyncIterator[tuple[ModelEngine, ModelEngine, list]]:
+    """Two real engines on one model, started together and stopped after: the defaults
+    ("fast") and the fast prefill off ("stock"); with what each start reported."""
+    loop = asyncio.get_running_loop()
+    fast = ModelEngine("fast", str(path), loop, EngineSettings())
+    stock = ModelEngine("stock", str(path), loop, EngineSettings(fast_prefill=False))
+    try:
+        facts = await asyncio.gather(asyncio.wrap_future(fast.start()),
+                                     asyncio.wrap_future(stock.start()))
+        yield fast, stock, facts
+    finally:
+        await asyncio.gather(asyncio.wrap_future(fast.stop()),
+                             asyncio.wrap_future(stock.stop()))
+
+
 async def test_bf16_greedy_output_is_the_stock_paths_and_the_flag_turns_it_off(tiny_bf16):
     loop = asyncio.get_running_loop()
     # The prefill path alone (decode on MLX's own product): its output is exactly stock.
@@ -125,14 +143,9 @@ async def test_fp32_greedy_output_is_the_stock_paths_with_numpy_elementwise(demo
     """A float32 model (the default demo model): nothing is wrapped or converted, but
     attention and SwiGLU of its prefill chunks run in NumPy; greedy output is the stock
     path's, and `--no-fast-prefill` leaves every kernel MLX's."""
-    loop = asyncio.get_running_loop()
     # The default step: the long prompt's first chunk (512 tokens) takes attention's
     # causal blocks (fast_prefill.CAUSAL_ROWS).
-    fast = ModelEngine("fast", str(demo_path), loop, EngineSettings())
-    stock = ModelEngine("stock", str(demo_path), loop, EngineSettings(fast_prefill=False))
-    try:
-        fast_facts, stock_facts = await asyncio.gather(
-            asyncio.wrap_future(fast.start()), asyncio.wrap_future(stock.start()))
+    async with fast_and_stock(demo_path) as (fast, stock, (fast_facts, stock_facts)):
         plan = fast.fast_prefill
         assert plan is not None and plan.enabled and plan.dtype == "float32"
         assert "float32 model" in plan.summary() and plan.layers == 0
@@ -152,9 +165,6 @@ async def test_fp32_greedy_output_is_the_stock_paths_with_numpy_elementwise(demo
             assert (plan.in_numpy > before) == long_enough, len(ids)
             assert stock.fast_prefill.in_numpy == stock_before
             assert got == want, f"prompt {i} ({len(ids)} tokens)"
-    finally:
-        await asyncio.gather(asyncio.wrap_future(fast.stop()),
-                             asyncio.wrap_future(stock.stop()))
 
 
 @pytest.mark.parametrize("softmax", ["shim", "numpy"])
@@ -192,12 +202,7 @@ async def test_prompts_prefilled_together_keep_the_stock_tokens(demo_path, monke
     monkeypatch.setattr(fast_prefill, "_heads_per_block", watched)
     monkeypatch.setattr(fast_prefill, "_shim_kernels",
                         counted if softmax == "shim" else lambda: (None, None))
-    loop = asyncio.get_running_loop()
-    fast = ModelEngine("fast", str(demo_path), loop, EngineSettings())
-    stock = ModelEngine("stock", str(demo_path), loop, EngineSettings(fast_prefill=False))
-    try:
-        await asyncio.gather(asyncio.wrap_future(fast.start()),
-                             asyncio.wrap_future(stock.start()))
+    async with fast_and_stock(demo_path) as (fast, stock, _):
         ids = fast.info.tokenizer.encode(DEMO_CORPUS) * 4
         batch = [ids[7 * i:7 * i + length] for i, length in enumerate((129, 136, 143, 150))]
         assert all(len(p) >= fast_prefill.FLOAT32_MIN_TOKENS for p in batch)
@@ -213,9 +218,6 @@ async def test_prompts_prefilled_together_keep_the_stock_tokens(demo_path, monke
         else:
             assert grouped and max(grouped) > 1, grouped
             assert calls == {"softmax": 0, "swiglu": 0}
-    finally:
-        await asyncio.gather(asyncio.wrap_future(fast.stop()),
-                             asyncio.wrap_future(stock.stop()))
 
 
 def test_fp32_logits_stay_within_a_millionth_of_the_stock_path(demo_path):

@@ -1,17 +1,22 @@
 """A prefill chunk's softmax and float32 SwiGLU through the CBLAS shim's kernels
 (engine/cblas_shim.c `plimsoll_softmax_rows`, `plimsoll_swiglu`): against the NumPy passes
 they replace on every instruction set, the masks they take (each row's visible keys one
-interval). Real engines through them against the stock path:
-tests/integration/test_fast_prefill.py `test_prompts_prefilled_together_keep_the_stock_tokens`."""
+interval), a float32 decode step's attention over a long cache, and real engines through
+them against the stock path (prefill: tests/integration/test_fast_prefill.py
+`test_prompts_prefilled_together_keep_the_stock_tokens`)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from engine import blas, fast_prefill
+from engine.demo_models import DEMO_CORPUS
 from tests.integration.test_decode_kernel import _kernel_isa
+from tests.integration.test_fast_prefill import fast_and_stock, greedy
 
 pytestmark = pytest.mark.skipif(
     fast_prefill.environment_reason() is not None or blas.softmax_rows() is None,
@@ -146,3 +151,53 @@ def test_half_precision_roundings_at_the_edges_are_numpys(isa, half):
         with np.errstate(all="ignore"):  # inf - inf, and the cast past float16
             want = _numpy_softmax(big, None, half)[0, 0]
         assert np.array_equal(got, want, equal_nan=True) and np.isnan(want).any(), (got, want)
+
+
+@pytest.mark.parametrize("mask", ["none", "padded", "gap"])
+def test_a_long_decode_steps_attention_is_mlx_s(mask):
+    """One float32 query per sequence over 700 keys, 8 heads on 2 key heads: the shim's
+    softmax on evaluated scores (NumPy's passes for a mask with a gap) gives MLX's own
+    attention within 1e-5, each sequence seeing only its keys."""
+    b, s_len = 3, 700
+    mx.random.seed(4)
+    q = mx.random.normal((b, 8, 1, 32))
+    k, v = mx.random.normal((b, 2, s_len, 32)), mx.random.normal((b, 2, s_len, 32))
+    visible = np.ones((b, 1, 1, s_len), bool)
+    visible[1, ..., :200] = False  # left padding
+    visible[2, ..., :650] = False
+    if mask == "gap":
+        visible[0, ..., 300:310] = False
+    m = None if mask == "none" else mx.array(visible)
+    got = fast_prefill._long_decode_attention(q, k, v, 0.125, m)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m)
+    assert got.shape == want.shape == (b, 8, 1, 32)
+    assert mx.abs(got - want).max().item() <= 1e-5
+
+
+async def test_long_decodes_take_the_shims_softmax_and_keep_the_stock_tokens(demo_path,
+                                                                             monkeypatch):
+    """Real engine threads with the defaults: a float32 model decoding past
+    DECODE_SOFTMAX_MIN_KEYS keys (two sequences together, one alone) attends through
+    the shim's softmax, and its greedy output is the stock path's."""
+    calls = []
+    long_attention = fast_prefill._long_decode_attention
+
+    def counted(*args):
+        calls.append(args[1].shape[2])
+        return long_attention(*args)
+
+    monkeypatch.setattr(fast_prefill, "_long_decode_attention", counted)
+    async with fast_and_stock(demo_path) as (fast, stock, _):
+        ids = fast.info.tokenizer.encode(DEMO_CORPUS) * 12
+        prompts = [ids[:fast_prefill.DECODE_SOFTMAX_MIN_KEYS + 40],
+                   ids[5:fast_prefill.DECODE_SOFTMAX_MIN_KEYS + 90]]
+        assert len(prompts[1]) > fast_prefill.DECODE_SOFTMAX_MIN_KEYS
+        got = await asyncio.gather(*(greedy(fast, f"f{i}", p, 12)
+                                     for i, p in enumerate(prompts)))
+        together = len(calls)
+        assert together > 0 and min(calls) >= fast_prefill.DECODE_SOFTMAX_MIN_KEYS
+        got.append(await greedy(fast, "alone", prompts[0], 12))
+        assert len(calls) > together
+        want = await asyncio.gather(*(greedy(stock, f"s{i}", p, 12)
+                                      for i, p in enumerate([*prompts, prompts[0]])))
+        assert got == want
