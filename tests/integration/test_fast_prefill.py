@@ -466,11 +466,29 @@ def test_attention_whose_values_have_a_head_size_of_their_own(half):
         assert mx.abs(step.astype(mx.float32) - want.astype(mx.float32)).max().item() <= tol
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-async def test_a_model_with_latent_attention_serves_the_stock_paths_tokens(tmp_path, dtype):
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+async def test_a_model_with_latent_attention_serves_the_stock_paths_tokens(tmp_path, dtype,
+                                                                           monkeypatch):
     """A small random MiniCPM3 (its values' heads narrower than its queries'): an engine
-    with the defaults serves a 40-token and a 150-token prompt (each chunk through the
-    NumPy attention) and decodes the tokens of an engine with every speed-up off."""
+    with the defaults serves a 40-token and a 150-token prompt (each chunk's attention
+    outside MLX: its softmax through the shim's kernel, rounded as the model's dtype
+    rounds, where the shim is loaded) and decodes the tokens of an engine with every
+    speed-up off."""
+    kinds: list[int] = []
+    kernels = fast_prefill._shim_kernels
+
+    def watched():
+        softmax, swiglu = kernels()
+        if softmax is None:
+            return softmax, swiglu
+
+        def recorded(kind, *args):
+            kinds.append(kind)
+            return softmax(kind, *args)
+
+        return recorded, swiglu
+
+    monkeypatch.setattr(fast_prefill, "_shim_kernels", watched)
     path = write_random_model(tmp_path / "minicpm3", MINICPM3, dtype)
     prompts = [[1 + (7 * j) % 1000 for j in range(n)] for n in (40, 150)]
     stock = EngineSettings(fast_prefill=False, prefill_last_token=False, fast_decode="stock",
@@ -485,6 +503,8 @@ async def test_a_model_with_latent_attention_serves_the_stock_paths_tokens(tmp_p
         finally:
             await asyncio.wait_for(asyncio.wrap_future(engine.stop()), 60)
     assert got == want and all(len(t) == 8 for t in got), (got, want)
+    if blas.softmax_rows() is not None:
+        assert set(kinds) == {fast_prefill.SHIM_SOFTMAX_KINDS[dtype]}, kinds
 
 
 @pytest.mark.parametrize("half", [mx.float32, mx.bfloat16])

@@ -57,7 +57,8 @@ def write_random_model(folder: Path, config: dict[str, Any], dtype: mx.Dtype,
     """A model of `config`'s architecture in `folder`: its weights normal * `scale`
     (norms as the architecture initialises them), stored in `dtype`."""
     config = {**BASE_CONFIG, **config,
-              "torch_dtype": {mx.float32: "float32", mx.bfloat16: "bfloat16"}[dtype]}
+              "torch_dtype": {mx.float32: "float32", mx.bfloat16: "bfloat16",
+                              mx.float16: "float16"}[dtype]}
     arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = arch.Model(arch.ModelArgs.from_dict(config))
