@@ -917,11 +917,11 @@ static int shown_product(int order, int trans_a, int trans_b, int m, int n, int 
  * SwiGLU one, ~4x and ~3x faster on 256 x 256 scores and 256 x 1536 activations. The exp
  * is Cephes' single-precision one (range reduction by ln 2 in two parts, a degree-6
  * polynomial: within 2 ulp of NumPy's), flushed to 0 below -87.3 where NumPy's gives
- * values under 1.2e-38, and inf above 88 (NumPy's from 88.7). NumPy's order of
- * operations is kept: the scores rounded to bfloat16 or float16 first where such a
- * model's attention rounds them (to nearest
- * even), the maximum subtracted, the exponentials divided by their sum, the
- * weights rounded again; SwiGLU as (1 / (1 + exp(-g))) * g * u.
+ * values under 1.2e-38, inf above 88 (NumPy's from 88.7), NaN for NaN. NumPy's order
+ * of operations is kept: the scores rounded to bfloat16 or float16 first where such a
+ * model's attention rounds them (to nearest even), the maximum subtracted, the
+ * exponentials divided by their sum, the weights rounded again; SwiGLU as
+ * (1 / (1 + exp(-g))) * g * u.
  *
  * A row past the end of its vectors is read and written a value at a time through a
  * vector of its own, padded with -inf (whose exp is 0); the empty asm statements keep
@@ -931,8 +931,8 @@ enum { SOFTMAX_F32 = 0, SOFTMAX_BF16 = 1, SOFTMAX_F16 = 2 };
 
 #define SOFTMAX_FUNCS(SUFFIX, ATTR, VF, VI, VU, WL)                                         \
   ATTR static inline __attribute__((always_inline)) VF exp_##SUFFIX(VF x) {                 \
-    const VF lo = (VF){} - 87.3365478515625f, hi = (VF){} + 88.0f;                          \
-    VI under = x < lo, over = x > hi;                                                       \
+    const VF lo = (VF){} - 87.3365478515625f, hi = (VF){} + 88.0f, given = x;               \
+    VI under = x < lo, over = x > hi, nan = x != x;                                         \
     x = (VF)(((VI)x & (x < hi)) | ((VI)hi & ~(x < hi)));                                    \
     x = (VF)(((VI)x & ~under) | ((VI)lo & under));                                          \
     const VF shift = (VF){} + 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */ \
@@ -948,7 +948,8 @@ enum { SOFTMAX_F32 = 0, SOFTMAX_BF16 = 1, SOFTMAX_F16 = 2 };
     p = p * (r * r) + (r + 1.0f);                                                           \
     VI e = (__builtin_convertvector(n, VI) + 127) << 23;                                    \
     VF inf = (VF){} + __builtin_inff();                                                     \
-    return (VF)(((VI)(p * (VF)e) & ~under & ~over) | ((VI)inf & over));                     \
+    return (VF)(((VI)(p * (VF)e) & ~under & ~over & ~nan) | ((VI)inf & over) |              \
+                ((VI)given & nan));                                                         \
   }                                                                                         \
                                                                                             \
   ATTR static inline __attribute__((always_inline)) VF round_bf16_##SUFFIX(VF v) {          \
@@ -958,8 +959,8 @@ enum { SOFTMAX_F32 = 0, SOFTMAX_BF16 = 1, SOFTMAX_F16 = 2 };
   }                                                                                         \
                                                                                             \
   /* To the nearest float16 (even on ties), as float32: 10 bits of mantissa; below 2^-14    \
-   * multiples of 2^-24 (adding and taking away 0.75 rounds there, the sign kept); past  \
-   * 65504 inf. */                                                                         \
+   * multiples of 2^-24 (adding and taking away 0.75 rounds there, the sign kept); past    \
+   * 65504 inf. */                                                                          \
   ATTR static inline __attribute__((always_inline)) VF round_f16_##SUFFIX(VF v) {           \
     VU bits = (VU)v, sign = bits & 0x80000000u;                                             \
     VU normal = (bits + 0xFFFu + ((bits >> 13) & 1u)) & 0xFFFFE000u;                        \

@@ -85,6 +85,23 @@ def test_the_shims_softmax_is_the_numpy_passes(isa, half, shape):
         assert (diff <= step).all()
 
 
+@pytest.mark.parametrize("isa", blas.KERNEL_ISAS)
+@pytest.mark.parametrize("half", [mx.float32, mx.bfloat16, mx.float16])
+def test_a_nan_score_makes_its_row_nan_as_numpys(isa, half):
+    """A NaN among a row's visible scores (a broken model's) makes the whole row NaN, as
+    NumPy's passes make it; the other rows are untouched by it."""
+    s = np.zeros((1, 1, 2, 8), np.float32)
+    s[0, 0, 0, 3] = np.nan
+    want = _numpy_softmax(s, None, half)
+    got = s[0, 0].copy()
+    lo, hi = np.zeros((1, 2), np.int64), np.full((1, 2), 8, np.int64)
+    with _kernel_isa(isa):
+        assert blas.softmax_rows()(fast_prefill.SHIM_SOFTMAX_KINDS[half], got.ctypes.data, 0,
+                                   2, 8, lo.ctypes.data, hi.ctypes.data, 2, 2, 1) == 0
+    assert np.isnan(got[0]).all() and np.isnan(want[0, 0, 0]).all()
+    assert np.array_equal(got[1], want[0, 0, 1])
+
+
 def test_windows_are_taken_from_interval_masks_only():
     """No mask, a causal one and boolean masks whose rows are each one interval become
     windows (found once for a mask every layer of a chunk shares); an additive mask or a
