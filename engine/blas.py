@@ -439,6 +439,16 @@ def half_gemv() -> Callable[..., int] | None:
     return _shim_function("plimsoll_half_gemv", [i, i, i, p, ll, p, ll, p, ll, i, i], i)
 
 
+def half_rows_sum() -> Callable[..., int] | None:
+    """The shim's weighted sum of stored rows (`plimsoll_half_rows_sum`): kind (HALF_*),
+    rows of x (at most HALF_ROWS), rows of w summed, columns (a multiple of 8), x pointer
+    and row stride, w pointer and row stride (elements), y pointer and row stride;
+    y = x @ w, summed in float32. Returns 0, or -1 for bad arguments. None without the
+    shim."""
+    p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    return _shim_function("plimsoll_half_rows_sum", [i, i, ll, i, p, ll, p, ll, p, ll], i)
+
+
 SOFTMAX_F32, SOFTMAX_BF16, SOFTMAX_F16 = 0, 1, 2  # engine/cblas_shim.c's softmax kinds
 
 

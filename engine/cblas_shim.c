@@ -1065,6 +1065,77 @@ enum { SOFTMAX_F32 = 0, SOFTMAX_BF16 = 1, SOFTMAX_F16 = 2 };
     }                                                                                       \
   }
 
+/* -- a decode step's values over a long half-precision cache -------------------------
+ *
+ * A decode step's attention weighs the cache's value rows: y[i, :] = sum_s x[i, s] w[s, :]
+ * for a query head's weights x and one key head's values w (s_len rows of d, stored as
+ * the cache stores them). MLX's half-precision product is slow here and a float32 copy of
+ * a long cache is a transient admission does not count, so the rows are read as stored
+ * and summed in float32, 8 columns and up to 4 query heads at a time (their sums in
+ * registers), s in order: each output is one sum in a fixed order. */
+#define ROWS_SUM_FUNCS(SUFFIX, ATTR, WIDEN8)                                                \
+  ATTR static inline __attribute__((always_inline)) void rows_block_##SUFFIX(               \
+      const int kind, const int MB, i64 s_len, const float *x, i64 ldx, const void *w,      \
+      i64 ldw, float *y, i64 ldy, int c) {                                                  \
+    const int esize = kind == HALF_F32 ? 4 : 2;                                             \
+    v8f acc[4] = {{0}, {0}, {0}, {0}};                                                      \
+    for (i64 s = 0; s < s_len; s++) {                                                       \
+      v8f wv = W8(kind, (const char *)w + s * ldw * esize, c, WIDEN8);                      \
+      UNROLL for (int i = 0; i < MB; i++) acc[i] += x[i * ldx + s] * wv;                    \
+    }                                                                                       \
+    UNROLL for (int i = 0; i < MB; i++) *(v8f *)(y + i * ldy + c) = acc[i];                 \
+  }                                                                                         \
+                                                                                            \
+  ATTR static inline __attribute__((always_inline)) void rows_kind_##SUFFIX(                \
+      const int kind, int m, i64 s_len, int d, const float *x, i64 ldx, const void *w,      \
+      i64 ldw, float *y, i64 ldy) {                                                         \
+    for (int i0 = 0; i0 < m; i0 += 4) {                                                     \
+      const float *xb = x + i0 * ldx;                                                       \
+      float *yb = y + i0 * ldy;                                                             \
+      for (int c = 0; c < d; c += 8) {                                                      \
+        switch (m - i0 < 4 ? m - i0 : 4) {                                                  \
+        case 1: rows_block_##SUFFIX(kind, 1, s_len, xb, ldx, w, ldw, yb, ldy, c); break;   \
+        case 2: rows_block_##SUFFIX(kind, 2, s_len, xb, ldx, w, ldw, yb, ldy, c); break;   \
+        case 3: rows_block_##SUFFIX(kind, 3, s_len, xb, ldx, w, ldw, yb, ldy, c); break;   \
+        default: rows_block_##SUFFIX(kind, 4, s_len, xb, ldx, w, ldw, yb, ldy, c); break;  \
+        }                                                                                   \
+      }                                                                                     \
+    }                                                                                       \
+  }                                                                                         \
+                                                                                            \
+  ATTR static void rows_sum_##SUFFIX(int kind, int m, i64 s_len, int d, const float *x,     \
+                                     i64 ldx, const void *w, i64 ldw, float *y, i64 ldy) {  \
+    if (kind == HALF_BF16)                                                                  \
+      rows_kind_##SUFFIX(HALF_BF16, m, s_len, d, x, ldx, w, ldw, y, ldy);                   \
+    else if (kind == HALF_F16)                                                              \
+      rows_kind_##SUFFIX(HALF_F16, m, s_len, d, x, ldx, w, ldw, y, ldy);                    \
+    else                                                                                    \
+      rows_kind_##SUFFIX(HALF_F32, m, s_len, d, x, ldx, w, ldw, y, ldy);                    \
+  }
+
+ROWS_SUM_FUNCS(portable, , PORTABLE_8)
+#if defined(__x86_64__)
+ROWS_SUM_FUNCS(avx2, __attribute__((target("avx2,fma,f16c"))), AVX2_8)
+#endif
+
+/* kind: HALF_BF16, HALF_F16 or HALF_F32 values, row stride ldw elements; m (at most
+ * HALF_ROWS) rows of x, d a multiple of 8. Returns 0, or -1 for arguments it does not
+ * take. (AVX-512 machines run the AVX2 build: 8 columns a vector are a head's width.) */
+int plimsoll_half_rows_sum(int kind, int m, i64 s_len, int d, const float *x, i64 ldx,
+                           const void *w, i64 ldw, float *y, i64 ldy) {
+  if ((kind != HALF_BF16 && kind != HALF_F16 && kind != HALF_F32) || m < 1 ||
+      m > HALF_ROWS || s_len < 0 || d < 8 || d % 8 || ldw < d || ldx < s_len || ldy < d)
+    return -1;
+#if defined(__x86_64__)
+  if (plimsoll_half_isa()) {
+    rows_sum_avx2(kind, m, s_len, d, x, ldx, w, ldw, y, ldy);
+    return 0;
+  }
+#endif
+  rows_sum_portable(kind, m, s_len, d, x, ldx, w, ldw, y, ldy);
+  return 0;
+}
+
 /* Portable: 16-byte vectors, which any x86_64 (SSE2) or aarch64 (NEON) passes in
  * registers. */
 typedef float v4f __attribute__((vector_size(16), aligned(4)));

@@ -631,8 +631,13 @@ def _numpy_mask_ok(mask: Any, q: mx.array, s_len: int) -> bool:
 # From DECODE_SOFTMAX_MIN_KEYS keys the step evaluates a layer's scores, runs the shim's
 # softmax on them in place and leaves the values' product lazy: one evaluation a layer,
 # which measured no slower at 256 keys and 1.17x / 1.37x faster at 2,048 / 4,000
-# (docs/benchmarks.md). Half-precision models keep MLX's (or the kernels') attention: a
-# float32 copy of a long cache is what their bound (`decode_attention_bytes`) keeps out.
+# (docs/benchmarks.md). A half-precision (or quantized) model decoding through the
+# shim's kernels, over a cache too long for `shim_decode.decode_attention`'s float32
+# copies (`decode_attention_bytes`: 768 tokens on the small demo model), does the same
+# with the two products over the cache as stored (the half-precision kernel for the
+# scores, `plimsoll_half_rows_sum` for the values) instead of MLX's half-precision
+# attention: small bfloat16 2.1x a step at 2,000 keys, 3.1x at 4,000. Below that bound
+# the lazy `decode_attention` stays (the kernels' path measured 0.83x there).
 DECODE_SOFTMAX_MIN_KEYS = 512
 
 
@@ -648,6 +653,81 @@ def _long_decode_ok(queries: mx.array, keys: mx.array, mask: Any, sinks: Any, ca
             and (mask is None or isinstance(mask, str)
                  or (isinstance(mask, mx.array) and mask.dtype == mx.bool_
                      and _numpy_mask_ok(mask, queries, keys.shape[2]))))
+
+
+def _long_half_decode_ok(queries: mx.array, keys: mx.array, values: mx.array, mask: Any,
+                         sinks: Any, cache: Any, kwargs: dict) -> bool:
+    """A half-precision decode step on a thread whose plan decodes through the shim's
+    kernels (past `decode_attention_bytes`: the caller asks after
+    `_decode_attention_ok`), in shapes the kernels take."""
+    plan: FastPrefill | None = getattr(_thread, "plan", None)
+    b, h, length, d = queries.shape if queries.ndim == 4 else (0, 0, 0, 0)
+    return (plan is not None and (plan.decode_half or plan.decode_quant) and length == 1
+            and queries.dtype in shim_decode.HALF_KINDS and keys.dtype == queries.dtype
+            and values.dtype == queries.dtype and h % keys.shape[1] == 0
+            and h // keys.shape[1] <= blas.HALF_ROWS and d % 2 == 0 and d >= 2
+            and values.shape[-1] % 8 == 0 and sinks is None and not kwargs
+            and not hasattr(cache, "bits") and _shim_kernels()[0] is not None
+            and blas.half_gemv() is not None and blas.half_rows_sum() is not None
+            and (mask is None or isinstance(mask, str)
+                 or (isinstance(mask, mx.array) and mask.dtype == mx.bool_
+                     and _numpy_mask_ok(mask, queries, keys.shape[2]))))
+
+
+def _stored_rows(a: mx.array) -> tuple[np.ndarray, int] | None:
+    """A half-precision (B, KV, S, D) cache as a NumPy view of its stored bits (no copy)
+    and its rows' stride in elements; None where a row is not contiguous."""
+    bits = a.view(mx.uint16)
+    mx.eval(bits)
+    view = np.array(bits, copy=False)
+    if view.strides[3] != 2 or view.strides[2] % 2:
+        return None
+    return view, view.strides[2] // 2
+
+
+def _long_half_decode_attention(queries: mx.array, keys: mx.array, values: mx.array,
+                                scale: float, mask: Any) -> mx.array | None:
+    """`shim_decode.decode_attention` (the scaling in the queries' dtype, the scores and
+    weights rounded to it where MLX rounds them) with both products over the cache as
+    stored, through the shim's kernels, and the softmax through the shim's; None where a
+    cache's rows are not contiguous (the caller keeps its path)."""
+    b, h, _, d = queries.shape
+    kv, s_len, dv = keys.shape[1], keys.shape[2], values.shape[-1]
+    rep, dtype = h // kv, queries.dtype
+    kind = shim_decode.HALF_KINDS[dtype]
+    stored_keys, stored_values = _stored_rows(keys), _stored_rows(values)
+    if stored_keys is None or stored_values is None:
+        return None
+    (kn, k_stride), (vn, v_stride) = stored_keys, stored_values
+    q = (queries * mx.array(scale, dtype=dtype)).astype(mx.float32)
+    mx.eval(q, *([mask] if isinstance(mask, mx.array) else []))
+    qn = np.ascontiguousarray(np.array(q, copy=False).reshape(b, kv, rep, d))
+    scores = np.empty((b, h, 1, s_len), np.float32)
+    out = np.empty((b, h, dv), np.float32)
+    gemv, rows_sum = blas.half_gemv(), blas.half_rows_sum()
+    pairs = [(bi, g) for bi in range(b) for g in range(kv)]
+
+    def products(of_values: bool) -> Callable[[int, int], None]:
+        def run(start: int, stop: int) -> None:
+            for bi, g in pairs[start:stop]:
+                rows = scores[bi, g * rep:(g + 1) * rep, 0]
+                if of_values:
+                    done = rows_sum(kind, rep, s_len, dv, rows.ctypes.data, s_len,
+                                    vn[bi, g].ctypes.data, v_stride,
+                                    out[bi, g * rep].ctypes.data, dv)
+                else:
+                    done = gemv(kind, rep, d, qn[bi, g].ctypes.data, d,
+                                kn[bi, g].ctypes.data, k_stride, rows.ctypes.data, s_len,
+                                0, s_len)
+                if done:
+                    raise RuntimeError(f"the shim refused a decode attention of {s_len} keys")
+        return run
+
+    _in_parts(len(pairs), products(of_values=False))
+    if not _shim_softmax(scores, mask, dtype, s_len - 1):
+        _numpy_softmax(scores, mask, dtype, s_len - 1)
+    _in_parts(len(pairs), products(of_values=True))
+    return mx.array(out).astype(dtype).reshape(b, h, 1, dv)
 
 
 def _long_decode_attention(queries: mx.array, keys: mx.array, values: mx.array,
@@ -700,6 +780,10 @@ def _sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
     decode step over a long cache takes the shim's softmax."""
     if _decode_attention_ok(queries, keys, mask, sinks, cache, kwargs):
         return shim_decode.decode_attention(queries, keys, values, scale, mask)
+    if (_long_half_decode_ok(queries, keys, values, mask, sinks, cache, kwargs)
+            and (out := _long_half_decode_attention(queries, keys, values, scale,
+                                                    mask)) is not None):
+        return out
     if _long_decode_ok(queries, keys, mask, sinks, cache, kwargs):
         return _long_decode_attention(queries, keys, values, scale, mask)
     if (queries.ndim != 4 or hasattr(cache, "bits") or kwargs

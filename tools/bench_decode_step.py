@@ -8,8 +8,9 @@ model's products of a few rows through the shim's kernel (engine/cblas_shim.c, "
 weight through the same kernel") against OpenBLAS, with the server's other decode paths on;
 `--compare isa`, the decode kernels on AVX-512 against AVX2 (engine/blas.py
 `limit_kernel_isa`), with the server's decode paths on; `--compare long-softmax`, a
-float32 model's decode attention with the shim's softmax on evaluated scores
-(engine/fast_prefill.py `DECODE_SOFTMAX_MIN_KEYS`) against MLX's lazy attention, after a
+decode step's attention over a long cache with the shim's softmax on evaluated scores (a
+half-precision model's products through the shim's kernels too; engine/fast_prefill.py
+`DECODE_SOFTMAX_MIN_KEYS`) against the attention the step takes otherwise, after a
 `--context`-token prompt.
 
     python -m tools.bench_decode_step --models small-fp32,medium-fp32,small --batch 1,4
@@ -59,6 +60,11 @@ def _keep(_plan: object) -> None:
     """Nothing to undo between rounds."""
 
 
+def _never(*_args: object) -> bool:
+    """A path's check that always declines."""
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="small-fp32,medium-fp32,small",
@@ -79,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.demo_models import ensure_demo
     from engine.loading import load_model
 
-    long_min = fast_prefill.DECODE_SOFTMAX_MIN_KEYS
+    long_min, long_half = fast_prefill.DECODE_SOFTMAX_MIN_KEYS, fast_prefill._long_half_decode_ok
 
     kernel = args.compare in ("kernel", "skinny", "isa", "long-softmax")
     if args.compare == "isa" and blas.limit_kernel_isa("avx512") != "avx512":
@@ -133,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                     plan, undo = None, _keep
                 elif args.compare == "long-softmax":
                     fast_prefill.DECODE_SOFTMAX_MIN_KEYS = long_min if on else 1 << 62
+                    fast_prefill._long_half_decode_ok = long_half if on else _never
                     plan, undo = None, _keep
                 elif kernel:
                     plan = fast_prefill.install(model, decode_kernel=on)

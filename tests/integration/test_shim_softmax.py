@@ -13,10 +13,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import blas, fast_prefill
-from engine.demo_models import DEMO_CORPUS
-from tests.integration.test_decode_kernel import _kernel_isa
+from engine import blas, fast_prefill, shim_decode
+from engine.demo_models import DEMO_CORPUS, ensure_demo_variant
+from tests.integration.test_decode_kernel import _kernel_and_stock, _kernel_isa
 from tests.integration.test_fast_prefill import fast_and_stock, greedy
+from tests.support.near_tie import agree_but_at_a_near_tie
 
 pytestmark = pytest.mark.skipif(
     fast_prefill.environment_reason() is not None or blas.softmax_rows() is None,
@@ -191,19 +192,25 @@ def test_a_long_decode_steps_attention_is_mlx_s(mask):
     assert mx.abs(got - want).max().item() <= 1e-5
 
 
+def _keys_attended(monkeypatch, name: str) -> list[int]:
+    """The keys of every call of fast_prefill's attention `name` from now on."""
+    calls: list[int] = []
+    attention = getattr(fast_prefill, name)
+
+    def counted(*args):
+        calls.append(args[1].shape[2])
+        return attention(*args)
+
+    monkeypatch.setattr(fast_prefill, name, counted)
+    return calls
+
+
 async def test_long_decodes_take_the_shims_softmax_and_keep_the_stock_tokens(demo_path,
                                                                              monkeypatch):
     """Real engine threads with the defaults: a float32 model decoding past
     DECODE_SOFTMAX_MIN_KEYS keys (two sequences together, one alone) attends through
     the shim's softmax, and its greedy output is the stock path's."""
-    calls = []
-    long_attention = fast_prefill._long_decode_attention
-
-    def counted(*args):
-        calls.append(args[1].shape[2])
-        return long_attention(*args)
-
-    monkeypatch.setattr(fast_prefill, "_long_decode_attention", counted)
+    calls = _keys_attended(monkeypatch, "_long_decode_attention")
     async with fast_and_stock(demo_path) as (fast, stock, _):
         ids = fast.info.tokenizer.encode(DEMO_CORPUS) * 12
         prompts = [ids[:fast_prefill.DECODE_SOFTMAX_MIN_KEYS + 40],
@@ -218,3 +225,87 @@ async def test_long_decodes_take_the_shims_softmax_and_keep_the_stock_tokens(dem
         want = await asyncio.gather(*(greedy(stock, f"s{i}", p, 12)
                                       for i, p in enumerate([*prompts, prompts[0]])))
         assert got == want
+
+
+@pytest.mark.parametrize("isa", blas.KERNEL_ISAS)
+@pytest.mark.parametrize("kind", [blas.HALF_BF16, blas.HALF_F16, blas.HALF_F32])
+def test_the_shims_rows_sum_is_float64_numpys(isa, kind):
+    """y = x @ w over rows of w as stored (bfloat16, float16 or float32, rows further
+    apart than they are long, as a cache's are): within float32 rounding of float64
+    NumPy, for 1-5 rows of x and widths of one to seventeen vectors; arguments it does
+    not take refused."""
+    rng = np.random.default_rng(kind)
+    dtype = {blas.HALF_BF16: mx.bfloat16, blas.HALF_F16: mx.float16,
+             blas.HALF_F32: mx.float32}[kind]
+    fn = blas.half_rows_sum()
+    with _kernel_isa(isa):
+        for m, s_len, d in [(1, 5, 8), (2, 700, 64), (3, 33, 136), (4, 1000, 128),
+                            (5, 300, 64)]:
+            x = rng.random((m, s_len)).astype(np.float32)
+            x /= x.sum(axis=1, keepdims=True)
+            stored = mx.array(rng.standard_normal((s_len, d + 24)).astype(np.float32))
+            stored = stored.astype(dtype)
+            values = np.array(stored.astype(mx.float32)).astype(np.float64)[:, :d]
+            bits = np.array(stored.view(mx.uint16) if kind != blas.HALF_F32 else stored)
+            y = np.full((m, d), np.nan, np.float32)
+            assert fn(kind, m, s_len, d, x.ctypes.data, s_len, bits.ctypes.data, d + 24,
+                      y.ctypes.data, d) == 0
+            assert np.abs(y - x.astype(np.float64) @ values).max() <= 1e-5
+        assert fn(kind, 1, 5, 12, x.ctypes.data, 5, bits.ctypes.data, 12, y.ctypes.data,
+                  12) == -1  # not a multiple of 8 columns
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("mask", ["none", "padded", "gap"])
+def test_a_long_half_precision_decode_attention_is_the_kernels_one(dtype, mask):
+    """Over a cache read where it is stored (the first 700 of 1,024 rows a head), the
+    products through the shim's kernels give `shim_decode.decode_attention`'s result but
+    for some elements one step of the dtype apart (the sums' order: 0-4 of 1,536 in
+    bfloat16, ~4 % in float16, whose steps are finer); a mask with a gap takes NumPy's
+    softmax."""
+    b, h, kv, s_len, d = 3, 8, 2, 700, 64
+    mx.random.seed(6)
+    q = mx.random.normal((b, h, 1, d)).astype(dtype)
+    buffers = [mx.random.normal((b, kv, 1024, d)).astype(dtype) for _ in range(2)]
+    mx.eval(*buffers)
+    k, v = (x[:, :, :s_len, :] for x in buffers)
+    visible = np.ones((b, 1, 1, s_len), bool)
+    visible[1, ..., :200] = False
+    visible[2, ..., :650] = False
+    if mask == "gap":
+        visible[0, ..., 300:310] = False
+    m = None if mask == "none" else mx.array(visible)
+    got = fast_prefill._long_half_decode_attention(q, k, v, 0.125, m)
+    want = shim_decode.decode_attention(q, k, v, 0.125, m)
+    g, w = (np.array(x.astype(mx.float32)) for x in (got, want))
+    # One step at each value, and near zero what one weight's last bit moves (a weight
+    # rounded the other way by the two softmaxes' exps: ~2^-6 of a step of 0.01 times a
+    # value of ~1).
+    bits = 7 if dtype == mx.bfloat16 else 10
+    step = np.abs(w) * 2.0 ** -bits + 2.0 ** -(bits + 6)
+    assert (np.abs(g - w) <= step).all() and (g != w).sum() <= g.size // 10
+
+
+async def test_long_half_precision_decodes_take_the_shims_kernels(monkeypatch):
+    """Real engine threads on the tiny bfloat16 model, the decode kernels taken (as the
+    defaults take them where they measure faster: on the small and medium demo models):
+    two sequences decoding past the cache `decode_attention_bytes` lets the kernels'
+    attention copy to float32 take the products over the cache as stored, and their
+    greedy tokens part from MLX's own attention and products only at a near-tie."""
+    path = ensure_demo_variant("tiny", "bf16")
+    calls = _keys_attended(monkeypatch, "_long_half_decode_attention")
+    async with _kernel_and_stock(path) as (fast, stock):
+        plan = fast.fast_prefill
+        assert plan.decode_half
+        layer = fast.info.model.layers[0].self_attn
+        per_token = 2 * layer.n_kv_heads * layer.head_dim * 4  # keys and values, float32
+        longest = fast_prefill.decode_attention_bytes(plan) // per_token
+        ids = fast.info.tokenizer.encode(DEMO_CORPUS) * 40
+        prompts = [ids[:longest + 30], ids[7:longest + 90]]
+        got = await asyncio.gather(*(greedy(fast, f"f{i}", p, 12)
+                                     for i, p in enumerate(prompts)))
+        assert calls and min(calls) > longest
+        want = await asyncio.gather(*(greedy(stock, f"s{i}", p, 12)
+                                      for i, p in enumerate(prompts)))
+        for p, a, w in zip(prompts, got, want, strict=True):
+            agree_but_at_a_near_tie(path, p, a, w)
