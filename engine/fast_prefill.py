@@ -632,13 +632,17 @@ def _numpy_mask_ok(mask: Any, q: mx.array, s_len: int) -> bool:
 # softmax on them in place and leaves the values' product lazy: one evaluation a layer,
 # which measured no slower at 256 keys and 1.17x / 1.37x faster at 2,048 / 4,000
 # (docs/benchmarks.md). A half-precision (or quantized) model decoding through the
-# shim's kernels, over a cache too long for `shim_decode.decode_attention`'s float32
-# copies (`decode_attention_bytes`: 768 tokens on the small demo model), does the same
-# with the two products over the cache as stored (the half-precision kernel for the
-# scores, `plimsoll_half_rows_sum` for the values) instead of MLX's half-precision
-# attention: small bfloat16 2.1x a step at 2,000 keys, 3.1x at 4,000. Below that bound
-# the lazy `decode_attention` stays (the kernels' path measured 0.83x there).
+# shim's kernels does the same from HALF_DECODE_KERNELS_MIN_KEYS keys, with the two
+# products over the cache as stored (the half-precision kernel for the scores,
+# `plimsoll_half_rows_sum` for the values), and also from where the cache is too long
+# for `shim_decode.decode_attention`'s float32 copies (`decode_attention_bytes`: 768
+# tokens on the small demo model, 2,560 on the medium), which took MLX's half-precision
+# attention before: small bfloat16 2.1x a step at 2,000 keys, 3.1x at 4,000; medium
+# float16 1.6x at 1,500 against `decode_attention`. Below, the lazy `decode_attention`
+# wins (small bfloat16 at 300 / 600 keys: the kernels' path 0.73x / 0.88x; medium at
+# 600: 1.04x).
 DECODE_SOFTMAX_MIN_KEYS = 512
+HALF_DECODE_KERNELS_MIN_KEYS = 1024
 
 
 def _long_decode_ok(queries: mx.array, keys: mx.array, mask: Any, sinks: Any, cache: Any,
@@ -658,8 +662,8 @@ def _long_decode_ok(queries: mx.array, keys: mx.array, mask: Any, sinks: Any, ca
 def _long_half_decode_ok(queries: mx.array, keys: mx.array, values: mx.array, mask: Any,
                          sinks: Any, cache: Any, kwargs: dict) -> bool:
     """A half-precision decode step on a thread whose plan decodes through the shim's
-    kernels (past `decode_attention_bytes`: the caller asks after
-    `_decode_attention_ok`), in shapes the kernels take."""
+    kernels (the caller asks from HALF_DECODE_KERNELS_MIN_KEYS keys, or past
+    `decode_attention_bytes`), in shapes the kernels take."""
     plan: FastPrefill | None = getattr(_thread, "plan", None)
     b, h, length, d = queries.shape if queries.ndim == 4 else (0, 0, 0, 0)
     return (plan is not None and (plan.decode_half or plan.decode_quant) and length == 1
@@ -778,12 +782,15 @@ def _sdpa(queries, keys, values, cache, scale, mask, sinks=None, **kwargs):
     """mlx-lm's attention; a prefill chunk on a bound thread runs it in float32, and so
     do a decode step's products where the plan decodes through the shim; a float32
     decode step over a long cache takes the shim's softmax."""
-    if _decode_attention_ok(queries, keys, mask, sinks, cache, kwargs):
+    short = _decode_attention_ok(queries, keys, mask, sinks, cache, kwargs)
+    if short and keys.shape[2] < HALF_DECODE_KERNELS_MIN_KEYS:
         return shim_decode.decode_attention(queries, keys, values, scale, mask)
     if (_long_half_decode_ok(queries, keys, values, mask, sinks, cache, kwargs)
             and (out := _long_half_decode_attention(queries, keys, values, scale,
                                                     mask)) is not None):
         return out
+    if short:
+        return shim_decode.decode_attention(queries, keys, values, scale, mask)
     if _long_decode_ok(queries, keys, mask, sinks, cache, kwargs):
         return _long_decode_attention(queries, keys, values, scale, mask)
     if (queries.ndim != 4 or hasattr(cache, "bits") or kwargs

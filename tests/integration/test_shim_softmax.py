@@ -192,6 +192,10 @@ def test_a_long_decode_steps_attention_is_mlx_s(mask):
     assert mx.abs(got - want).max().item() <= 1e-5
 
 
+# The largest logit gap at which two bfloat16 paths decoding over a long cache may part.
+LONG_CONTEXT_GAP = 0.05
+
+
 def _keys_attended(monkeypatch, name: str) -> list[int]:
     """The keys of every call of fast_prefill's attention `name` from now on."""
     calls: list[int] = []
@@ -286,26 +290,38 @@ def test_a_long_half_precision_decode_attention_is_the_kernels_one(dtype, mask):
     assert (np.abs(g - w) <= step).all() and (g != w).sum() <= g.size // 10
 
 
-async def test_long_half_precision_decodes_take_the_shims_kernels(monkeypatch):
+@pytest.mark.parametrize("where", ["past the bound", "from the switch"])
+async def test_long_half_precision_decodes_take_the_shims_kernels(monkeypatch, where):
     """Real engine threads on the tiny bfloat16 model, the decode kernels taken (as the
     defaults take them where they measure faster: on the small and medium demo models):
     two sequences decoding past the cache `decode_attention_bytes` lets the kernels'
-    attention copy to float32 take the products over the cache as stored, and their
-    greedy tokens part from MLX's own attention and products only at a near-tie."""
+    attention copy to float32, or from HALF_DECODE_KERNELS_MIN_KEYS keys within it
+    (shorter ones keep that attention), take the products over the cache as stored, and
+    their greedy tokens part from MLX's own attention and products only at a near-tie."""
     path = ensure_demo_variant("tiny", "bf16")
     calls = _keys_attended(monkeypatch, "_long_half_decode_attention")
+    if where == "from the switch":  # every cache within the bound
+        monkeypatch.setattr(fast_prefill, "decode_attention_bytes", lambda plan: 1 << 40)
     async with _kernel_and_stock(path) as (fast, stock):
         plan = fast.fast_prefill
         assert plan.decode_half
         layer = fast.info.model.layers[0].self_attn
         per_token = 2 * layer.n_kv_heads * layer.head_dim * 4  # keys and values, float32
-        longest = fast_prefill.decode_attention_bytes(plan) // per_token
-        ids = fast.info.tokenizer.encode(DEMO_CORPUS) * 40
+        longest = (fast_prefill.decode_attention_bytes(plan) // per_token
+                   if where == "past the bound" else
+                   fast_prefill.HALF_DECODE_KERNELS_MIN_KEYS - 1)
+        ids = fast.info.tokenizer.encode(DEMO_CORPUS) * 60
+        if where == "from the switch":
+            await greedy(fast, "short", ids[:longest - 20], 12)
+            assert calls == []
         prompts = [ids[:longest + 30], ids[7:longest + 90]]
         got = await asyncio.gather(*(greedy(fast, f"f{i}", p, 12)
                                      for i, p in enumerate(prompts)))
         assert calls and min(calls) > longest
         want = await asyncio.gather(*(greedy(stock, f"s{i}", p, 12)
                                       for i, p in enumerate(prompts)))
+        # Over a thousand cached tokens MLX's own bfloat16 attention itself strays from
+        # the step-by-step reference by more than six steps of a logit (seen: 0.027 at
+        # 0.60, where three tokens were within it): a stated tolerance instead.
         for p, a, w in zip(prompts, got, want, strict=True):
-            agree_but_at_a_near_tie(path, p, a, w)
+            agree_but_at_a_near_tie(path, p, a, w, max_gap=LONG_CONTEXT_GAP)
