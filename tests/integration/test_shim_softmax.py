@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from engine import blas, fast_prefill, shim_decode
-from engine.demo_models import DEMO_CORPUS, ensure_demo_variant
+from engine.demo_models import DEMO_CORPUS, ensure_demo, ensure_demo_variant
+from engine.model_engine import EngineSettings, ModelEngine
 from tests.integration.test_decode_kernel import _kernel_and_stock, _kernel_isa
 from tests.integration.test_fast_prefill import fast_and_stock, greedy
 from tests.support.near_tie import agree_but_at_a_near_tie
@@ -325,3 +326,29 @@ async def test_long_half_precision_decodes_take_the_shims_kernels(monkeypatch, w
         # 0.60, where three tokens were within it): a stated tolerance instead.
         for p, a, w in zip(prompts, got, want, strict=True):
             agree_but_at_a_near_tie(path, p, a, w, max_gap=LONG_CONTEXT_GAP)
+
+
+async def test_the_small_bf16_model_decodes_a_long_cache_through_the_kernels_by_default(
+        monkeypatch):
+    """The small bfloat16 demo model with the defaults (which take the decode kernels
+    where they measure faster at load, as here they do): a sequence decoding past 1,100
+    cached tokens takes the products over the cache as stored, and its greedy tokens
+    part from an engine with MLX's own attention and products only at a near-tie."""
+    path = ensure_demo("small")  # bfloat16
+    calls = _keys_attended(monkeypatch, "_long_half_decode_attention")
+    loop = asyncio.get_running_loop()
+    fast = ModelEngine("fast", str(path), loop, EngineSettings())
+    stock = ModelEngine("stock", str(path), loop, EngineSettings(fast_decode_kernel=False))
+    try:
+        await asyncio.gather(asyncio.wrap_future(fast.start()),
+                             asyncio.wrap_future(stock.start()))
+        if not fast.fast_prefill.decode_half:
+            pytest.skip(f"the kernels measured slower here: {fast.fast_prefill.decode_reason}")
+        prompt = (fast.info.tokenizer.encode(DEMO_CORPUS) * 60)[:1100]
+        got = await greedy(fast, "fast", prompt, 8)
+        assert calls and min(calls) >= 1100
+        want = await greedy(stock, "stock", prompt, 8)
+        agree_but_at_a_near_tie(path, prompt, got, want, max_gap=LONG_CONTEXT_GAP)
+    finally:
+        await asyncio.gather(asyncio.wrap_future(fast.stop()),
+                             asyncio.wrap_future(stock.stop()))
