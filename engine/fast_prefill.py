@@ -665,11 +665,11 @@ def _long_half_decode_ok(queries: mx.array, keys: mx.array, values: mx.array, ma
     kernels (the caller asks from HALF_DECODE_KERNELS_MIN_KEYS keys, or past
     `decode_attention_bytes`), in shapes the kernels take."""
     plan: FastPrefill | None = getattr(_thread, "plan", None)
-    b, h, length, d = queries.shape if queries.ndim == 4 else (0, 0, 0, 0)
+    heads, length = queries.shape[1:3] if queries.ndim == 4 else (0, 0)
     return (plan is not None and (plan.decode_half or plan.decode_quant) and length == 1
             and queries.dtype in shim_decode.HALF_KINDS and keys.dtype == queries.dtype
-            and values.dtype == queries.dtype and h % keys.shape[1] == 0
-            and h // keys.shape[1] <= blas.HALF_ROWS and d % 2 == 0 and d >= 2
+            and values.dtype == queries.dtype and heads % keys.shape[1] == 0
+            and heads // keys.shape[1] <= blas.HALF_ROWS
             and values.shape[-1] % 8 == 0 and sinks is None and not kwargs
             and not hasattr(cache, "bits") and _shim_kernels()[0] is not None
             and blas.half_gemv() is not None and blas.half_rows_sum() is not None
@@ -711,26 +711,25 @@ def _long_half_decode_attention(queries: mx.array, keys: mx.array, values: mx.ar
     gemv, rows_sum = blas.half_gemv(), blas.half_rows_sum()
     pairs = [(bi, g) for bi in range(b) for g in range(kv)]
 
-    def products(of_values: bool) -> Callable[[int, int], None]:
-        def run(start: int, stop: int) -> None:
-            for bi, g in pairs[start:stop]:
-                rows = scores[bi, g * rep:(g + 1) * rep, 0]
-                if of_values:
-                    done = rows_sum(kind, rep, s_len, dv, rows.ctypes.data, s_len,
-                                    vn[bi, g].ctypes.data, v_stride,
-                                    out[bi, g * rep].ctypes.data, dv)
-                else:
-                    done = gemv(kind, rep, d, qn[bi, g].ctypes.data, d,
-                                kn[bi, g].ctypes.data, k_stride, rows.ctypes.data, s_len,
-                                0, s_len)
-                if done:
-                    raise RuntimeError(f"the shim refused a decode attention of {s_len} keys")
-        return run
+    def refused(done: int) -> None:
+        if done:
+            raise RuntimeError(f"the shim refused a decode attention over {s_len} keys")
 
-    _in_parts(len(pairs), products(of_values=False))
+    def score(start: int, stop: int) -> None:  # each key head's queries against its keys
+        for bi, g in pairs[start:stop]:
+            refused(gemv(kind, rep, d, qn[bi, g].ctypes.data, d, kn[bi, g].ctypes.data,
+                         k_stride, scores[bi, g * rep].ctypes.data, s_len, 0, s_len))
+
+    def weigh(start: int, stop: int) -> None:  # their weights times its value rows
+        for bi, g in pairs[start:stop]:
+            refused(rows_sum(kind, rep, s_len, dv, scores[bi, g * rep].ctypes.data, s_len,
+                             vn[bi, g].ctypes.data, v_stride, out[bi, g * rep].ctypes.data,
+                             dv))
+
+    _in_parts(len(pairs), score)
     if not _shim_softmax(scores, mask, dtype, s_len - 1):
         _numpy_softmax(scores, mask, dtype, s_len - 1)
-    _in_parts(len(pairs), products(of_values=True))
+    _in_parts(len(pairs), weigh)
     return mx.array(out).astype(dtype).reshape(b, h, 1, dv)
 
 
