@@ -137,8 +137,10 @@ def timestamp(seconds: float) -> timestamp_pb2.Timestamp:
 
 
 def duration(seconds: float) -> duration_pb2.Duration:
+    """To the nearest nanosecond: a lifetime computed as (t + 300.0) - t is 300 s less a
+    float rounding at some clock readings t, and truncating it read 299.999999999 s."""
     d = duration_pb2.Duration()
-    d.FromNanoseconds(int(seconds * 1e9))
+    d.FromNanoseconds(round(seconds * 1e9))
     return d
 
 
