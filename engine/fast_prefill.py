@@ -645,6 +645,14 @@ DECODE_SOFTMAX_MIN_KEYS = 512
 HALF_DECODE_KERNELS_MIN_KEYS = 1024
 
 
+def _boolean_mask_ok(mask: Any, queries: mx.array, keys: mx.array) -> bool:
+    """No mask, a named one, or a boolean array the NumPy path reads too (a decode step's
+    softmax outside MLX takes no additive mask)."""
+    return (mask is None or isinstance(mask, str)
+            or (isinstance(mask, mx.array) and mask.dtype == mx.bool_
+                and _numpy_mask_ok(mask, queries, keys.shape[2])))
+
+
 def _long_decode_ok(queries: mx.array, keys: mx.array, mask: Any, sinks: Any, cache: Any,
                     kwargs: dict) -> bool:
     """A float32 decode step over at least DECODE_SOFTMAX_MIN_KEYS keys on a bound
@@ -654,9 +662,7 @@ def _long_decode_ok(queries: mx.array, keys: mx.array, mask: Any, sinks: Any, ca
             and queries.dtype == mx.float32 and keys.dtype == mx.float32
             and queries.shape[1] % keys.shape[1] == 0 and sinks is None and not kwargs
             and not hasattr(cache, "bits") and _shim_kernels()[0] is not None
-            and (mask is None or isinstance(mask, str)
-                 or (isinstance(mask, mx.array) and mask.dtype == mx.bool_
-                     and _numpy_mask_ok(mask, queries, keys.shape[2]))))
+            and _boolean_mask_ok(mask, queries, keys))
 
 
 def _long_half_decode_ok(queries: mx.array, keys: mx.array, values: mx.array, mask: Any,
@@ -673,9 +679,7 @@ def _long_half_decode_ok(queries: mx.array, keys: mx.array, values: mx.array, ma
             and values.shape[-1] % 8 == 0 and sinks is None and not kwargs
             and not hasattr(cache, "bits") and _shim_kernels()[0] is not None
             and blas.half_gemv() is not None and blas.half_rows_sum() is not None
-            and (mask is None or isinstance(mask, str)
-                 or (isinstance(mask, mx.array) and mask.dtype == mx.bool_
-                     and _numpy_mask_ok(mask, queries, keys.shape[2]))))
+            and _boolean_mask_ok(mask, queries, keys))
 
 
 def _stored_rows(a: mx.array) -> tuple[np.ndarray, int] | None:
