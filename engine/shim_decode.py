@@ -273,20 +273,30 @@ def show_layers(layers: list[nn.Module]) -> list[nn.Module]:
 
 
 def decode_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
-                     mask: mx.array | None) -> mx.array:
+                     mask: mx.array | None,
+                     buffers: tuple[mx.array, mx.array] | None = None) -> mx.array:
     """MLX's own half-precision attention for one query per sequence, with its two
     products in float32 through the BLAS (MLX's half-precision product costs ~1 ms a
     layer for them at any context here): the scaling in the queries' dtype, the scores
     and the output rounded to it where MLX rounds them, MLX's precise softmax. Lazy.
-    Differs from the stock path only by the products' summation order."""
+    Differs from the stock path only by the products' summation order.
+
+    `buffers`: the cache's whole key and value buffers, whose first S rows along axis 2
+    are `keys` and `values`. They are converted whole and then sliced: MLX converts a
+    contiguous bfloat16 array to float32 in one vectorized pass, and the strided prefix
+    element by element, several times slower even with the buffer's unused rows."""
     b, h, _, d = queries.shape
-    kv, dtype, f32 = keys.shape[1], queries.dtype, mx.float32
+    kv, s_len, dtype, f32 = keys.shape[1], keys.shape[2], queries.dtype, mx.float32
+    if buffers is not None:
+        keys32, values32 = (a.astype(f32)[..., :s_len, :] for a in buffers)
+    else:
+        keys32, values32 = keys.astype(f32), values.astype(f32)
     q = (queries * mx.array(scale, dtype=dtype)).astype(f32).reshape(b, kv, h // kv, d)
-    scores = (q @ keys.astype(f32).swapaxes(-1, -2)).astype(dtype)  # (B, KV, rep, S)
+    scores = (q @ keys32.swapaxes(-1, -2)).astype(dtype)  # (B, KV, rep, S)
     if mask is not None:
         # The dtype's lowest value, as MLX fills: a row with every key hidden averages.
         scores = (mx.where(mask, scores, mx.array(mx.finfo(dtype).min, dtype=dtype))
                   if mask.dtype == mx.bool_ else scores + mask)
     weights = mx.softmax(scores, axis=-1, precise=True)
-    out = (weights.astype(f32) @ values.astype(f32)).astype(dtype)
+    out = (weights.astype(f32) @ values32).astype(dtype)
     return out.reshape(b, h, 1, values.shape[-1])  # the values' head size (MLA: not d)

@@ -11,13 +11,16 @@ weight through the same kernel") against OpenBLAS, with the server's other decod
 decode step's attention over a long cache with the shim's softmax on evaluated scores (a
 half-precision model's products through the shim's kernels too; engine/fast_prefill.py
 `DECODE_SOFTMAX_MIN_KEYS`) against the attention the step takes otherwise, after a
-`--context`-token prompt.
+`--context`-token prompt; `--compare cache-buffers`, a bfloat16 decode step's attention
+converting the cache's whole buffers to float32 (engine/fast_prefill.py `_cache_buffers`)
+against converting the keys' and values' strided prefix.
 
     python -m tools.bench_decode_step --models small-fp32,medium-fp32,small --batch 1,4
     python -m tools.bench_decode_step --compare kernel --models small,medium,small-4bit --batch 1,4
     python -m tools.bench_decode_step --compare skinny --models tiny,small-fp32,medium-fp32 --batch 1,4,8
     python -m tools.bench_decode_step --compare isa --models small,medium,small-4bit --batch 1,4
     python -m tools.bench_decode_step --compare long-softmax --models small-fp32 --batch 1 --context 2000
+    python -m tools.bench_decode_step --compare cache-buffers --models small,small-4bit --batch 1,2 --context 300
 
 Per model and batch size: the median step time of each side over the rounds, their ratio,
 and whether every step's logits were equal bit for bit (for the kernel: the largest
@@ -65,6 +68,11 @@ def _never(*_args: object) -> bool:
     return False
 
 
+def _no_buffers(*_args: object) -> None:
+    """No cache buffers: the keys' and values' prefix is converted."""
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="small-fp32,medium-fp32,small",
@@ -72,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1,4", help="sequences decoded together")
     p.add_argument("--steps", type=int, default=32, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=6, help="rounds per side, alternating")
-    p.add_argument("--compare", choices=("compiled", "kernel", "skinny", "isa", "long-softmax"),
+    p.add_argument("--compare", choices=("compiled", "kernel", "skinny", "isa", "long-softmax",
+                                         "cache-buffers"),
                    default="compiled")
     p.add_argument("--context", type=int, default=None,
                    help="prompt tokens before the measured steps (default: 64 + 7 per "
@@ -86,8 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     from engine.loading import load_model
 
     long_min, long_half = fast_prefill.DECODE_SOFTMAX_MIN_KEYS, fast_prefill._long_half_decode_ok
+    cache_buffers = fast_prefill._cache_buffers
+    buffers_taken = [0]
 
-    kernel = args.compare in ("kernel", "skinny", "isa", "long-softmax")
+    def counted_buffers(*args):
+        found = cache_buffers(*args)
+        buffers_taken[0] += found is not None
+        return found
+
+    kernel = args.compare in ("kernel", "skinny", "isa", "long-softmax", "cache-buffers")
     if args.compare == "isa" and blas.limit_kernel_isa("avx512") != "avx512":
         print("no AVX-512 decode kernel here (no shim, or a CPU without AVX-512)",
               file=sys.stderr)
@@ -104,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         print("| model | batch | keys | MLX's softmax step (ms) | shim's softmax step (ms) | "
               "MLX / shim | max logprob difference | tokens equal |")
         print("|---|---:|---:|---:|---:|---:|---:|---|")
+    elif args.compare == "cache-buffers":
+        print("| model | batch | keys | prefix converted (ms) | buffers converted (ms) | "
+              "prefix / buffers | max logprob difference | tokens equal |")
+        print("|---|---:|---:|---:|---:|---:|---:|---|")
     elif kernel:
         print("| model | batch | stock step (ms) | kernel step (ms) | stock / kernel | "
               "max logprob difference | tokens equal |")
@@ -115,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models.split(","):
         path = ensure_demo(name)
         model = load_model(str(path)).model
-        if args.compare in ("skinny", "isa", "long-softmax"):  # the server's decode paths
+        # The server's decode paths.
+        if args.compare in ("skinny", "isa", "long-softmax", "cache-buffers"):
             fast_prefill.install(model).bind_thread()
             compiled_decode.install(model)
         for batch in (int(b) for b in args.batch.split(",")):
@@ -123,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                        if args.context is None else
                        [[5 + (i + 7 * b) % 4000 for i in range(args.context)]
                         for b in range(batch)])
+            buffers_taken[0] = 0
             med: dict[bool, list[float]] = {True: [], False: []}
             logits_of: dict[bool, list] = {}
             equal = True
@@ -140,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
                 elif args.compare == "long-softmax":
                     fast_prefill.DECODE_SOFTMAX_MIN_KEYS = long_min if on else 1 << 62
                     fast_prefill._long_half_decode_ok = long_half if on else _never
+                    plan, undo = None, _keep
+                elif args.compare == "cache-buffers":
+                    fast_prefill._cache_buffers = counted_buffers if on else _no_buffers
                     plan, undo = None, _keep
                 elif kernel:
                     plan = fast_prefill.install(model, decode_kernel=on)
@@ -172,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
                 same = all(mx.array_equal(mx.argmax(a, axis=-1), mx.argmax(b, axis=-1)).item()
                            for a, b in pairs)
                 keys = (f"{len(prompts[0]) + args.steps // 2} | "
-                        if args.compare == "long-softmax" else "")
+                        if args.compare in ("long-softmax", "cache-buffers") else "")
+                if args.compare == "cache-buffers" and not buffers_taken[0]:
+                    keys += "(buffers never taken) "
                 print(f"| {name} | {batch} | {keys}{s:.2f} | {c:.2f} | {s / c:.3f} | "
                       f"{diff:.4f} | {'yes' if same else 'no'} |", flush=True)
             else:

@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import blas, fast_prefill, shim_decode
-from engine.demo_models import ensure_demo_variant
+from engine.demo_models import DEMO_CORPUS, ensure_demo_variant
 from engine.model_engine import EngineSettings, ModelEngine
 from plimsoll.v1 import control_pb2, inference_pb2
 from service.cli import build_parser
@@ -667,6 +667,105 @@ def test_decode_attention_runs_only_where_the_plan_decodes_through_the_shim(tiny
         finally:
             fast_prefill.uninstall(plan)
     assert not ok(q, k, None, None, None, {})  # no plan bound
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "additive"])
+def test_decode_attention_over_the_caches_buffers_is_over_their_prefix(mask):
+    """Converting a cache's whole buffers and slicing them gives the attention over
+    their first rows bit for bit: the rows past them never reach a product."""
+    b, h, kv, s_len, cap, d = 2, 8, 2, 203, 256, 64
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(cap), 4)
+    q = mx.random.normal((b, h, 1, d), key=k1).astype(mx.bfloat16)
+    kb = mx.random.normal((b, kv, cap, d), key=k2).astype(mx.bfloat16)
+    vb = mx.random.normal((b, kv, cap, d), key=k3).astype(mx.bfloat16)
+    keep = mx.random.uniform(shape=(b, 1, 1, s_len), key=k4) > 0.2
+    m = {None: None, "bool": keep,
+         "additive": mx.where(keep, 0.0, -1e4).astype(mx.bfloat16)}[mask]
+    k, v = kb[..., :s_len, :], vb[..., :s_len, :]
+    want = shim_decode.decode_attention(q, k, v, d ** -0.5, m)
+    got = shim_decode.decode_attention(q, k, v, d ** -0.5, m, (kb, vb))
+    assert got.dtype == want.dtype and mx.array_equal(got, want).item()
+
+
+def test_the_caches_buffers_are_taken_only_for_what_it_just_handed_out(tiny_bf16,
+                                                                        monkeypatch):
+    """`_cache_buffers` gives a bfloat16 cache's buffers to the attention only for the
+    very keys and values the cache returned on the bound thread, once, within the bound;
+    a float16 cache, other arrays, another cache or no plan keep the prefix's conversion."""
+    import mlx_lm
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    model, _ = mlx_lm.load(str(tiny_bf16))
+    plan = fast_prefill.install(model, decode="fp32")
+    try:
+        assert plan.decode_half
+        # The tiny model's bound is 192 tokens of float32 copies: within it, a cache's
+        # first buffer (256 rows) is not taken.
+        fits = fast_prefill.decode_attention_bytes(plan) // (2 * 4 * 2 * 32)
+        assert fits < KVCache.step
+        small = KVCache()
+        small.step = fits
+        new = mx.ones((1, 2, 5, 32), dtype=mx.bfloat16)
+        k, v = small.update_and_fetch(new, new)
+        assert fast_prefill._cache_buffers(small, k, v) == (small.keys, small.values)
+        small.step = fits + 1  # a buffer one row past the bound
+        k, v = small.update_and_fetch(mx.ones((1, 2, fits, 32), dtype=mx.bfloat16),
+                                      mx.ones((1, 2, fits, 32), dtype=mx.bfloat16))
+        assert small.keys.shape[2] > fits
+        assert fast_prefill._cache_buffers(small, k, v) is None
+        monkeypatch.setattr(fast_prefill, "decode_attention_bytes", lambda plan: 1 << 40)
+        for cache in (KVCache(), BatchKVCache([0])):
+            k, v = cache.update_and_fetch(new, new)
+            assert fast_prefill._cache_buffers(cache, k, v) == (cache.keys, cache.values)
+            assert fast_prefill._cache_buffers(cache, k, v) is None  # taken once
+            k, v = cache.update_and_fetch(new, new)
+            assert fast_prefill._cache_buffers(cache, k * 1, v) is None
+            k, v = cache.update_and_fetch(new, new)
+            assert fast_prefill._cache_buffers(KVCache(), k, v) is None
+        half = KVCache()
+        k, v = half.update_and_fetch(new.astype(mx.float16), new.astype(mx.float16))
+        assert fast_prefill._cache_buffers(half, k, v) is None
+        fetched: list = []
+        other = threading.Thread(target=lambda: fetched.append(
+            KVCache().update_and_fetch(new, new)))
+        other.start()
+        other.join()
+        assert fast_prefill._cache_buffers(KVCache(), *fetched[0]) is None  # unbound thread
+    finally:
+        fast_prefill.uninstall(plan)
+
+
+async def test_engines_decode_over_the_caches_buffers_with_the_same_tokens(tiny_bf16,
+                                                                           monkeypatch):
+    """Real engine threads, the decode kernels taken: bfloat16 sequences decoding
+    together (one batch cache) and alone convert their caches' whole buffers, and give
+    the tokens of the same engine converting the prefix."""
+    taken: list[int] = []
+    buffers = fast_prefill._cache_buffers
+
+    def counted(cache, keys, values):
+        found = buffers(cache, keys, values)
+        taken.append(found is not None)
+        return found
+
+    monkeypatch.setattr(fast_prefill, "_cache_buffers", counted)
+    # The tiny model's bound (192 tokens of float32 copies) is below a cache's first
+    # buffer; the small model's (768) holds three.
+    monkeypatch.setattr(fast_prefill, "decode_attention_bytes", lambda plan: 1 << 40)
+    async with _kernel_and_stock(tiny_bf16) as (fast, _):
+        assert fast.fast_prefill.decode_half
+        ids = fast.info.tokenizer.encode(DEMO_CORPUS) * 4
+        runs = [ids[:150], ids[9:120]]
+
+        async def decode() -> list[list[int]]:
+            together = await asyncio.gather(*(greedy(fast, f"t{i}-{len(taken)}", p, 12)
+                                              for i, p in enumerate(runs)))
+            return [*together, await greedy(fast, f"alone-{len(taken)}", runs[0], 12)]
+
+        got = await decode()
+        assert sum(taken) > 0
+        monkeypatch.setattr(fast_prefill, "_cache_buffers", lambda *args: None)
+        assert got == await decode()
 
 
 def _quantized(n: int, k: int, bits: int, group: int, scales: mx.Dtype,
