@@ -41,6 +41,31 @@ def run(inference, req) -> list:
     return list(inference.Generate(req, timeout=60))
 
 
+@pytest.fixture()
+def stubs(stubs):
+    """The module server's stubs, with every ticket a test's Admit took released after
+    the test, pass or fail: the tests count the server's reservations, and a failed
+    test's would otherwise be counted by the ones after it."""
+    control, inference = stubs
+    admit, taken = control.Admit, []
+
+    def recording(req, *args, **kwargs):
+        resp = admit(req, *args, **kwargs)
+        if resp.ticket:
+            taken.append(resp.ticket)
+        return resp
+
+    control.Admit = recording
+    yield control, inference
+    control.Admit = admit
+    for ticket in taken:  # a Generate with a bad field releases its ticket unrun
+        bad = request(0, admission_ticket=ticket)
+        bad.sampling.temperature = -1
+        with pytest.raises(grpc.RpcError):
+            run(inference, bad)
+    assert admission(control).reservations == 0
+
+
 def test_reservations_hold_exactly_their_own_bytes_and_lock_no_one_out(stubs):
     control, inference = stubs
     req = request(1, tokens=512)
