@@ -25,7 +25,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import blas, fast_prefill, shim_decode
-from engine.demo_models import DEMO_CORPUS, ensure_demo_variant
+from engine.demo_models import DEMO_CORPUS, ensure_demo, ensure_demo_variant
 from engine.model_engine import EngineSettings, ModelEngine
 from plimsoll.v1 import control_pb2, inference_pb2
 from service.cli import build_parser
@@ -766,6 +766,34 @@ async def test_engines_decode_over_the_caches_buffers_with_the_same_tokens(tiny_
         assert sum(taken) > 0
         monkeypatch.setattr(fast_prefill, "_cache_buffers", lambda *args: None)
         assert got == await decode()
+
+
+async def test_the_small_bf16_model_decodes_over_its_caches_buffers_by_default(monkeypatch):
+    """The small bfloat16 demo model with the defaults (the decode kernels chosen by
+    their measurement at load, the bound as it is): a 300-token prompt's decode steps
+    convert the cache's whole buffers, and give the tokens of the prefix's conversion."""
+    taken: list[bool] = []
+    buffers = fast_prefill._cache_buffers
+
+    def counted(cache, keys, values):
+        found = buffers(cache, keys, values)
+        taken.append(found is not None)
+        return found
+
+    monkeypatch.setattr(fast_prefill, "_cache_buffers", counted)
+    loop = asyncio.get_running_loop()
+    engine = ModelEngine("small", str(ensure_demo("small")), loop, EngineSettings())
+    try:
+        await asyncio.wrap_future(engine.start())
+        if not engine.fast_prefill.decode_half:
+            pytest.skip(f"the kernels measured slower here: {engine.fast_prefill.decode_reason}")
+        prompt = (engine.info.tokenizer.encode(DEMO_CORPUS) * 8)[:300]
+        got = await greedy(engine, "buffers", prompt, 8)
+        assert taken and all(taken)
+        monkeypatch.setattr(fast_prefill, "_cache_buffers", lambda *args: None)
+        assert got == await greedy(engine, "prefix", prompt, 8)
+    finally:
+        await asyncio.wrap_future(engine.stop())
 
 
 def _quantized(n: int, k: int, bits: int, group: int, scales: mx.Dtype,
