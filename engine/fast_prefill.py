@@ -44,14 +44,15 @@ streams the weight at ~1.6-2.5 GB/s here, the kernel at 20-28 GB/s on one core f
 row; a 4-bit layer's kernel is 4-5x MLX's float32 quantized product at one row, 12-17x at
 four. Such a step's attention runs its two products in float32 through the BLAS too
 (`shim_decode.decode_attention`; MLX's half-precision product costs ~1 ms a layer for
-them), rounded where MLX's rounds. The kernels also take every chunk with fewer rows
-than a prefill conversion (`_kernel_rows`: a short prompt, a prompt's last tokens): MLX's
-products of 2-15 rows take 10-200x as long; and longer chunks while the kernels measure
-faster than the conversion at load (`choose_kernel_rows`: MLX's CPU dequantize is slow,
-so a 4-bit model's chunks of up to 24-64 rows), evaluated a layer at a time as a
-conversion is and never holding more than the largest conversion admission counts. The
-float32 sums part from MLX's products
-only at near-tied greedy choices (docs/benchmarks.md). `decode_kernel=False`
+them), rounded where MLX's rounds; a bfloat16 cache is converted as its whole buffers,
+one vectorized pass, not its strided prefix (`_cache_buffers`). The kernels also take
+every chunk with fewer rows than a prefill conversion (`_kernel_rows`: a short prompt, a
+prompt's last tokens): MLX's products of 2-15 rows take 10-200x as long; and longer
+chunks while the kernels measure faster than the conversion at load (`choose_kernel_rows`:
+MLX's CPU dequantize is slow, so a 4-bit model's chunks of up to 24-64 rows), evaluated a
+layer at a time as a conversion is and never holding more than the largest conversion
+admission counts. The float32 sums part from MLX's products only at near-tied greedy
+choices (docs/benchmarks.md). `decode_kernel=False`
 (`--no-decode-kernel`) keeps MLX's products and attention.
 
 Otherwise decode steps (one token per sequence) take the stock path, except that a quantized model
@@ -789,9 +790,9 @@ def decode_attention_bytes(plan: FastPrefill) -> int:
 # unused rows. So `shim_decode.decode_attention` converts a bfloat16 cache's buffers when
 # the keys and values it is given are the very arrays the cache handed out on the bound
 # thread (`_fetching` records them, weakly) and the buffers fit `decode_attention_bytes`.
-# Measured a decode step at a time, in process: small bfloat16 1.05x at 300 keys, 1.14x at
-# 700; medium bfloat16 1.08x at 600; small 4-bit 1.17x at 600. A float16 buffer converts
-# no faster whole (medium float16 0.96-0.98x): it keeps the prefix's conversion.
+# A decode step, in process (docs/benchmarks.md): small bfloat16 1.05x at 316 keys, 1.13x
+# at 716; small 4-bit 1.05x and 1.10x; medium bfloat16 1.01x and 1.07x. A float16 buffer
+# converts no faster whole (medium float16 0.96-0.98x): it keeps the prefix's conversion.
 _FETCHING_CACHES = (KVCache, BatchKVCache)
 
 
