@@ -735,12 +735,9 @@ def test_the_caches_buffers_are_taken_only_for_what_it_just_handed_out(tiny_bf16
         fast_prefill.uninstall(plan)
 
 
-async def test_engines_decode_over_the_caches_buffers_with_the_same_tokens(tiny_bf16,
-                                                                           monkeypatch):
-    """Real engine threads, the decode kernels taken: bfloat16 sequences decoding
-    together (one batch cache) and alone convert their caches' whole buffers, and give
-    the tokens of the same engine converting the prefix."""
-    taken: list[int] = []
+def _buffers_taken(monkeypatch) -> list[bool]:
+    """Whether each decode attention from now on was given its cache's buffers."""
+    taken: list[bool] = []
     buffers = fast_prefill._cache_buffers
 
     def counted(cache, keys, values):
@@ -749,6 +746,15 @@ async def test_engines_decode_over_the_caches_buffers_with_the_same_tokens(tiny_
         return found
 
     monkeypatch.setattr(fast_prefill, "_cache_buffers", counted)
+    return taken
+
+
+async def test_engines_decode_over_the_caches_buffers_with_the_same_tokens(tiny_bf16,
+                                                                           monkeypatch):
+    """Real engine threads, the decode kernels taken: bfloat16 sequences decoding
+    together (one batch cache) and alone convert their caches' whole buffers, and give
+    the tokens of the same engine converting the prefix."""
+    taken = _buffers_taken(monkeypatch)
     # The tiny model's bound (192 tokens of float32 copies) is below a cache's first
     # buffer; the small model's (768) holds three.
     monkeypatch.setattr(fast_prefill, "decode_attention_bytes", lambda plan: 1 << 40)
@@ -772,15 +778,7 @@ async def test_the_small_bf16_model_decodes_over_its_caches_buffers_by_default(m
     """The small bfloat16 demo model with the defaults (the decode kernels chosen by
     their measurement at load, the bound as it is): a 300-token prompt's decode steps
     convert the cache's whole buffers, and give the tokens of the prefix's conversion."""
-    taken: list[bool] = []
-    buffers = fast_prefill._cache_buffers
-
-    def counted(cache, keys, values):
-        found = buffers(cache, keys, values)
-        taken.append(found is not None)
-        return found
-
-    monkeypatch.setattr(fast_prefill, "_cache_buffers", counted)
+    taken = _buffers_taken(monkeypatch)
     loop = asyncio.get_running_loop()
     engine = ModelEngine("small", str(ensure_demo("small")), loop, EngineSettings())
     try:
