@@ -68,6 +68,17 @@ def _never(*_args: object) -> bool:
     return False
 
 
+# Per comparison, the table's labels: the side off, the side on, and both for the ratio.
+_SIDES = {
+    "compiled": ("stock step", "compiled step", "stock", "compiled"),
+    "kernel": ("stock step", "kernel step", "stock", "kernel"),
+    "skinny": ("OpenBLAS step", "skinny step", "OpenBLAS", "skinny"),
+    "isa": ("AVX2 step", "AVX-512 step", "AVX2", "AVX-512"),
+    "long-softmax": ("MLX's softmax step", "shim's softmax step", "MLX", "shim"),
+    "cache-buffers": ("prefix converted", "buffers converted", "prefix", "buffers"),
+}
+
+
 def _no_buffers(*_args: object) -> None:
     """No cache buffers: the keys' and values' prefix is converted."""
     return None
@@ -108,30 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         print("no AVX-512 decode kernel here (no shim, or a CPU without AVX-512)",
               file=sys.stderr)
         return 1
-    if args.compare == "skinny":
-        print("| model | batch | OpenBLAS step (ms) | skinny step (ms) | OpenBLAS / skinny | "
-              "max logprob difference | tokens equal |")
-        print("|---|---:|---:|---:|---:|---:|---|")
-    elif args.compare == "isa":
-        print("| model | batch | AVX2 step (ms) | AVX-512 step (ms) | AVX2 / AVX-512 | "
-              "max logprob difference | tokens equal |")
-        print("|---|---:|---:|---:|---:|---:|---|")
-    elif args.compare == "long-softmax":
-        print("| model | batch | keys | MLX's softmax step (ms) | shim's softmax step (ms) | "
-              "MLX / shim | max logprob difference | tokens equal |")
-        print("|---|---:|---:|---:|---:|---:|---:|---|")
-    elif args.compare == "cache-buffers":
-        print("| model | batch | keys | prefix converted (ms) | buffers converted (ms) | "
-              "prefix / buffers | max logprob difference | tokens equal |")
-        print("|---|---:|---:|---:|---:|---:|---:|---|")
-    elif kernel:
-        print("| model | batch | stock step (ms) | kernel step (ms) | stock / kernel | "
-              "max logprob difference | tokens equal |")
-        print("|---|---:|---:|---:|---:|---:|---|")
-    else:
-        print("| model | batch | stock step (ms) | compiled step (ms) | stock / compiled | "
-              "logits equal |")
-        print("|---|---:|---:|---:|---:|---|")
+    off, on, short_off, short_on = _SIDES[args.compare]
+    keys_column = "keys | " if args.compare in ("long-softmax", "cache-buffers") else ""
+    outputs = ("max logprob difference | tokens equal" if kernel else "logits equal")
+    print(f"| model | batch | {keys_column}{off} (ms) | {on} (ms) | {short_off} / {short_on} | "
+          f"{outputs} |")
+    print("|---|---:|" + "---:|" * (3 + bool(keys_column) + kernel) + "---|")
     for name in args.models.split(","):
         path = ensure_demo(name)
         model = load_model(str(path)).model
