@@ -99,6 +99,13 @@ SKINNY_MIN_MACS = 1 << 16
 # between MLX's thread and helpers (engine/cblas_shim.c, "more than one thread").
 KERNEL_THREADS_ENV = "PLIMSOLL_KERNEL_THREADS"
 KERNEL_PARALLEL_MIN_BYTES = 1 << 20
+# Except one row of a half-precision weight whose rows hold fewer bytes than this (k under
+# 2,048): alone, such a product gained at most 1.2x on two threads here (1,536 x 512 lost:
+# 0.75x), against 1.34-1.38x from k = 2,048; inside a decode step the helper then competes
+# with the thread encoding the next step's graph, and the small bfloat16 demo model's
+# one-sequence step ran 8-19 % faster with its products on one thread, the medium's the
+# same (docs/benchmarks.md, "One row of a half-precision weight on one thread").
+HALF_ONE_ROW_SHARED_MIN_ROW_BYTES = 4096
 KERNEL_MAX_THREADS = 8  # engine/cblas_shim.c: MAX_HELPERS + 1
 # The decode kernels' instruction set: the best the CPU has, or at most the one this names
 # (benchmarks compare them; a CPU that slows down under AVX-512 can be kept on AVX2).
@@ -511,9 +518,8 @@ def _start_kernel_helpers() -> None:
         return
     _helpers = 0
     helper = _shim_function("plimsoll_kernel_helper", [ctypes.c_int, ctypes.c_int], None)
-    share = _shim_function("plimsoll_kernel_share", [ctypes.c_longlong], None)
     helpers = kernel_threads() - 1
-    if helper is None or share is None or helpers < 1:
+    if helper is None or _kernel_share() is None or helpers < 1:
         return
     try:
         for i in range(helpers):
@@ -522,11 +528,28 @@ def _start_kernel_helpers() -> None:
     except RuntimeError as err:  # no thread to be had: products stay on one thread
         log.warning("decode-kernel helper threads not started: %s", err)
         return
-    share(KERNEL_PARALLEL_MIN_BYTES)
     _helpers = helpers
+    share_products()
 
 
 _helpers: int | None = None  # None until the first registration tried to start them
+
+
+def _kernel_share() -> Callable[..., None] | None:
+    return _shim_function("plimsoll_kernel_share", [ctypes.c_longlong, ctypes.c_longlong],
+                          None)
+
+
+def share_products(half_one_row_min_row: int = HALF_ONE_ROW_SHARED_MIN_ROW_BYTES) -> bool:
+    """Decode-kernel products from KERNEL_PARALLEL_MIN_BYTES of weight shared with the
+    helper threads from now on, one row of a half-precision weight only where its rows
+    hold `half_one_row_min_row` bytes or more (benchmarks switch it in one process); False
+    where no helper runs."""
+    share = _kernel_share()
+    if not _helpers or share is None:
+        return False
+    share(KERNEL_PARALLEL_MIN_BYTES, half_one_row_min_row)
+    return True
 
 
 def kernel_helpers() -> int:

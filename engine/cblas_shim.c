@@ -707,7 +707,9 @@ static void shown_columns(const struct shown_job *job, int j0, int j1) {
  * starts inside `plimsoll_kernel_helper`, which never returns; they spin briefly after
  * a product, then sleep on a futex. No libc: system calls by hand, atomics that compile
  * inline. A forked child has no helpers, so a product is only shared in the process
- * they started in. */
+ * they started in. One row of a half-precision weight with short rows stays on MLX's
+ * thread: it gained little on two and slowed the step around it (engine/blas.py
+ * HALF_ONE_ROW_SHARED_MIN_ROW_BYTES). */
 #if defined(__x86_64__) && defined(__linux__)
 enum { MAX_HELPERS = 7, FUTEX_WAIT = 128, FUTEX_WAKE = 129 }; /* the _PRIVATE ops */
 
@@ -736,7 +738,8 @@ static volatile unsigned generation, columns_done; /* futex words */
 static volatile int helper_asleep[MAX_HELPERS], caller_asleep;
 static volatile int helpers_wanted, helpers_ready, busy;
 static volatile long helpers_pid;
-static i64 parallel_min_bytes = (i64)1 << 62, shared_calls, shared_columns;
+static i64 parallel_min_bytes = (i64)1 << 62, half_one_row_min_row_bytes;
+static i64 shared_calls, shared_columns;
 static volatile i64 helper_columns;
 /* Pauses a helper spins after a product before it sleeps, and MLX's thread for the last
  * blocks (~40 us on this machine's CPUs). */
@@ -791,8 +794,13 @@ void plimsoll_kernel_helper(int index, int helpers) {
   }
 }
 
-/* From now on products of at least `min_bytes` of weight are shared (a huge value: none). */
-void plimsoll_kernel_share(i64 min_bytes) { parallel_min_bytes = min_bytes; }
+/* From now on products of at least `min_bytes` of weight are shared (a huge value: none),
+ * a half-precision weight's one-row products only where a row of it holds at least
+ * `half_one_row_min_row` bytes. */
+void plimsoll_kernel_share(i64 min_bytes, i64 half_one_row_min_row) {
+  parallel_min_bytes = min_bytes;
+  half_one_row_min_row_bytes = half_one_row_min_row;
+}
 
 /* Products shared since the load, their output columns, and how many of those the helpers
  * computed (tests read them). */
@@ -810,6 +818,7 @@ static i64 job_row_bytes(const struct shown_job *job) {
  * their process, and no other stream shares them now); 0 if not. */
 static int shared_product(const struct shown_job *job, int n) {
   i64 row = job_row_bytes(job);
+  if (job->bits == 16 && job->rows == 1 && row < half_one_row_min_row_bytes) return 0;
   if (!LOAD(&helpers_wanted) || row * n < parallel_min_bytes || sys_getpid() != helpers_pid ||
       __atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE))
     return 0;

@@ -1236,7 +1236,8 @@ def _choose_shim_decode(layers: list[nn.Module], decode: DecodeMode, what: str,
     some = "" if len(shown) == len(layers) else f" ({len(shown)} of {len(layers)})"
     helpers = blas.kernel_helpers()
     shared = (f"; products of {blas.KERNEL_PARALLEL_MIN_BYTES >> 20} MiB of weight or more "
-              f"on {helpers + 1} threads" if helpers else "")
+              f"on {helpers + 1} threads (one row of a half-precision weight from rows of "
+              f"{blas.HALF_ONE_ROW_SHARED_MIN_ROW_BYTES} bytes)" if helpers else "")
     if decode == "fp32":
         return True, f"{what}{some} through the {isa} kernel (set){shared}"
     timing = measure_shim_decode(shown)

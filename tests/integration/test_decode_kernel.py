@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -425,31 +426,36 @@ def test_a_shown_weight_is_multiplied_by_the_kernel_inside_mlx(bias):
 
 
 def _large_layers() -> list[nn.Module]:
-    """A bfloat16 and a 4-bit layer of 4 MiB of weight each (products from
-    blas.KERNEL_PARALLEL_MIN_BYTES are shared), and a bfloat16 one below it."""
+    """bfloat16 layers of 4 MiB of weight with rows of 2 KB and of 4 KB, a 4-bit layer of
+    4 MiB (products from blas.KERNEL_PARALLEL_MIN_BYTES are shared; a half-precision
+    one-row product only from rows of HALF_ONE_ROW_SHARED_MIN_ROW_BYTES), and a bfloat16
+    one below the first bound."""
     big = _bf16_linear(2048, 1024, False)
+    long_rows = _bf16_linear(1024, 2048, False)
     q = _quantized(4096, 2048, 4, 64, mx.bfloat16)
     small = _bf16_linear(256, 512, False)
     assert 2048 * 1024 * 2 >= blas.KERNEL_PARALLEL_MIN_BYTES > 256 * 512 * 2
-    return [big, q, small]
+    assert 1024 * 2 < blas.HALF_ONE_ROW_SHARED_MIN_ROW_BYTES <= 2048 * 2
+    return [big, long_rows, q, small]
 
 
 def test_large_products_are_shared_with_the_helper_threads_for_the_same_bits():
     """A product of at least KERNEL_PARALLEL_MIN_BYTES of weight is split between MLX's
     thread and the helpers in blocks of columns: the direct single-thread call's result bit
     for bit, at 1, 4 and 33 rows; the helpers compute some of the columns (within a few
-    seconds of products: they run only on a core nothing else wants); a smaller product
-    stays on one thread."""
+    seconds of products: they run only on a core nothing else wants). A smaller product
+    stays on one thread, and so does one row of a half-precision weight whose rows hold
+    under HALF_ONE_ROW_SHARED_MIN_ROW_BYTES (with the same bits)."""
     if blas.kernel_threads() < 2:
         pytest.skip("one usable CPU: no helper threads")
     layers = _large_layers()
     shown = shim_decode.show_layers(layers)
-    assert len(shown) == 3
+    assert len(shown) == 4
     helpers = [t for t in threading.enumerate()
                if t.name.startswith("plimsoll-kernel-")]
     assert len(helpers) == blas.kernel_threads() - 1 and all(t.daemon for t in helpers)
     try:
-        for layer in layers[:2]:
+        for i, layer in enumerate(layers[:3]):
             view, k = shim_decode.shown_view(layer), shim_decode.in_features(layer)
             for rows in (1, 4, 33):
                 x = mx.random.normal((rows, 1, k), key=mx.random.key(rows)).astype(
@@ -457,7 +463,9 @@ def test_large_products_are_shared_with_the_helper_threads_for_the_same_bits():
                 before = blas.kernel_shared()[0]
                 got = shim_decode.product(layer, view, x)
                 mx.eval(got)
-                assert blas.kernel_shared()[0] > before
+                one_thread = i == 0 and rows == 1  # 2 KB rows of bfloat16
+                assert blas.kernel_shared()[0] == before if one_thread else \
+                    blas.kernel_shared()[0] > before, (i, rows)
                 assert mx.array_equal(got, shim_decode.kernel_reference(layer, x)).item()
         x = mx.random.normal((4, 1, 1024), key=mx.random.key(9)).astype(mx.bfloat16)
         view = shim_decode.shown_view(layers[0])
@@ -467,7 +475,7 @@ def test_large_products_are_shared_with_the_helper_threads_for_the_same_bits():
             mx.eval(shim_decode.product(layers[0], view, x))
         assert blas.kernel_shared()[2] > helped
         before = blas.kernel_shared()[0]
-        small = layers[2]
+        small = layers[3]
         mx.eval(shim_decode.product(small, shim_decode.shown_view(small),
                                     mx.ones((1, 1, 512), dtype=mx.bfloat16)))
         assert blas.kernel_shared()[0] == before
@@ -779,20 +787,49 @@ async def test_the_small_bf16_model_decodes_over_its_caches_buffers_by_default(m
     their measurement at load, the bound as it is): a 300-token prompt's decode steps
     convert the cache's whole buffers, and give the tokens of the prefix's conversion."""
     taken = _buffers_taken(monkeypatch)
-    loop = asyncio.get_running_loop()
-    engine = ModelEngine("small", str(ensure_demo("small")), loop, EngineSettings())
-    try:
-        await asyncio.wrap_future(engine.start())
-        if not engine.fast_prefill.decode_half:
-            pytest.skip(f"the kernels measured slower here: {engine.fast_prefill.decode_reason}")
+    async with _small_bf16_engine() as engine:
         prompt = (engine.info.tokenizer.encode(DEMO_CORPUS) * 8)[:300]
         got = await greedy(engine, "buffers", prompt, 8)
         assert taken and all(taken)
         monkeypatch.setattr(fast_prefill, "_cache_buffers", lambda *args: None)
         assert got == await greedy(engine, "prefix", prompt, 8)
+
+
+@contextlib.asynccontextmanager
+async def _small_bf16_engine() -> AsyncIterator[ModelEngine]:
+    """The small bfloat16 demo model on an engine thread with the defaults (the decode
+    kernels chosen by their measurement at load); skips where they measured slower."""
+    engine = ModelEngine("small", str(ensure_demo("small")), asyncio.get_running_loop(),
+                         EngineSettings())
+    try:
+        await asyncio.wrap_future(engine.start())
+        if not engine.fast_prefill.decode_half:
+            pytest.skip(f"the kernels measured slower here: {engine.fast_prefill.decode_reason}")
+        yield engine
     finally:
         await asyncio.wrap_future(engine.stop())
 
+
+async def test_the_small_bf16_model_shares_a_batchs_decode_products_not_one_sequences():
+    """The small bfloat16 demo model with the defaults: a lone sequence's decode steps run
+    every product on MLX's thread (its rows of 512 weights, 1 KB, are under
+    HALF_ONE_ROW_SHARED_MIN_ROW_BYTES: shared, such a step was slower here), two
+    sequences' steps share their large products with the helper threads. Decode steps
+    alone are counted: a run of 12 tokens against one of 4 from the same prompts."""
+    if blas.kernel_threads() < 2:
+        pytest.skip("one usable CPU: no helper threads")
+    async with _small_bf16_engine() as engine:
+        ids = engine.info.tokenizer.encode(DEMO_CORPUS)
+        prompts_ = [ids[:40], ids[40:80]]
+
+        async def shared_by(sequences: int, tokens: int) -> int:
+            before = blas.kernel_shared()[0]
+            await asyncio.gather(*(greedy(engine, f"s{sequences}-{tokens}-{i}", p, tokens)
+                                   for i, p in enumerate(prompts_[:sequences])))
+            return blas.kernel_shared()[0] - before
+
+        assert await shared_by(1, 12) == await shared_by(1, 4)
+        assert await shared_by(2, 12) > await shared_by(2, 4)
 
 def _quantized(n: int, k: int, bits: int, group: int, scales: mx.Dtype,
                seed: int = 0) -> nn.QuantizedLinear:
