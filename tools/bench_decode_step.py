@@ -13,7 +13,10 @@ half-precision model's products through the shim's kernels too; engine/fast_pref
 `DECODE_SOFTMAX_MIN_KEYS`) against the attention the step takes otherwise, after a
 `--context`-token prompt; `--compare cache-buffers`, a bfloat16 decode step's attention
 converting the cache's whole buffers to float32 (engine/fast_prefill.py `_cache_buffers`)
-against converting the keys' and values' strided prefix.
+against converting the keys' and values' strided prefix; `--compare one-row-share`, one
+row of a half-precision weight whose rows are short on MLX's thread alone
+(engine/blas.py `HALF_ONE_ROW_SHARED_MIN_ROW_BYTES`) against shared with the helper
+threads like any large product.
 
     python -m tools.bench_decode_step --models small-fp32,medium-fp32,small --batch 1,4
     python -m tools.bench_decode_step --compare kernel --models small,medium,small-4bit --batch 1,4
@@ -21,6 +24,7 @@ against converting the keys' and values' strided prefix.
     python -m tools.bench_decode_step --compare isa --models small,medium,small-4bit --batch 1,4
     python -m tools.bench_decode_step --compare long-softmax --models small-fp32 --batch 1 --context 2000
     python -m tools.bench_decode_step --compare cache-buffers --models small,small-4bit --batch 1,2 --context 300
+    python -m tools.bench_decode_step --compare one-row-share --models small,medium-bf16,medium --batch 1 --rounds 12
 
 Per model and batch size: the median step time of each side over the rounds, their ratio,
 and whether every step's logits were equal bit for bit (for the kernel: the largest
@@ -76,6 +80,7 @@ _SIDES = {
     "isa": ("AVX2 step", "AVX-512 step", "AVX2", "AVX-512"),
     "long-softmax": ("MLX's softmax step", "shim's softmax step", "MLX", "shim"),
     "cache-buffers": ("prefix converted", "buffers converted", "prefix", "buffers"),
+    "one-row-share": ("shared step", "one-thread step", "shared", "one thread"),
 }
 
 
@@ -91,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1,4", help="sequences decoded together")
     p.add_argument("--steps", type=int, default=32, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=6, help="rounds per side, alternating")
-    p.add_argument("--compare", choices=("compiled", "kernel", "skinny", "isa", "long-softmax",
-                                         "cache-buffers"),
-                   default="compiled")
+    p.add_argument("--compare", choices=tuple(_SIDES), default="compiled")
     p.add_argument("--context", type=int, default=None,
                    help="prompt tokens before the measured steps (default: 64 + 7 per "
                    "sequence)")
@@ -114,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         buffers_taken[0] += found is not None
         return found
 
-    kernel = args.compare in ("kernel", "skinny", "isa", "long-softmax", "cache-buffers")
+    served = ("skinny", "isa", "long-softmax", "cache-buffers", "one-row-share")
+    kernel = args.compare == "kernel" or args.compare in served
     if args.compare == "isa" and blas.limit_kernel_isa("avx512") != "avx512":
         print("no AVX-512 decode kernel here (no shim, or a CPU without AVX-512)",
               file=sys.stderr)
@@ -129,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         path = ensure_demo(name)
         model = load_model(str(path)).model
         # The server's decode paths.
-        if args.compare in ("skinny", "isa", "long-softmax", "cache-buffers"):
+        if args.compare in served:
             fast_prefill.install(model).bind_thread()
             compiled_decode.install(model)
         for batch in (int(b) for b in args.batch.split(",")):
@@ -158,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
                     plan, undo = None, _keep
                 elif args.compare == "cache-buffers":
                     fast_prefill._cache_buffers = counted_buffers if on else _no_buffers
+                    plan, undo = None, _keep
+                elif args.compare == "one-row-share":
+                    if not blas.share_products(blas.HALF_ONE_ROW_SHARED_MIN_ROW_BYTES
+                                               if on else 0):
+                        print("no helper threads in this process (one usable CPU, no "
+                              "shim, or PLIMSOLL_KERNEL_THREADS=1)", file=sys.stderr)
+                        return 1
                     plan, undo = None, _keep
                 elif kernel:
                     plan = fast_prefill.install(model, decode_kernel=on)
