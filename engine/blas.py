@@ -102,9 +102,10 @@ KERNEL_PARALLEL_MIN_BYTES = 1 << 20
 # Except one row of a half-precision weight whose rows hold fewer bytes than this (k under
 # 2,048): alone, such a product gained at most 1.2x on two threads here (1,536 x 512 lost:
 # 0.75x), against 1.34-1.38x from k = 2,048; inside a decode step the helper then competes
-# with the thread encoding the next step's graph, and the small bfloat16 demo model's
-# one-sequence step ran 8-19 % faster with its products on one thread, the medium's the
-# same (docs/benchmarks.md, "One row of a half-precision weight on one thread").
+# with the thread encoding the next step's graph: the small bfloat16 demo model's
+# one-sequence step ran 1.09-1.15x as fast with them on one thread, the medium bfloat16
+# model's the same, its float16 one 1-5 % slower (docs/benchmarks.md, "One row of a
+# half-precision weight on one thread").
 HALF_ONE_ROW_SHARED_MIN_ROW_BYTES = 4096
 KERNEL_MAX_THREADS = 8  # engine/cblas_shim.c: MAX_HELPERS + 1
 # The decode kernels' instruction set: the best the CPU has, or at most the one this names
