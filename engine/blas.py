@@ -607,9 +607,9 @@ def quant_register(pointer: int, n: int, k: int, bits: int, group: int, scales: 
 
 def quant_gemv() -> Callable[..., int] | None:
     """The shim's affine-quantized decode product (`plimsoll_quant_gemv`), or None. Its
-    arguments: bits, group, scale kind, rows, k, x pointer (each row: k values, then its
-    k/group group sums), x row stride, weight, scales and
-    biases pointers, y pointer, y row stride, first and end output column."""
+    arguments: bits, group, scale kind, rows, k, x pointer (each row: k values; the
+    kernel sums each group itself), x row stride, weight, scales and biases pointers, y
+    pointer, y row stride, first and end output column."""
     p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     return _shim_function("plimsoll_quant_gemv", [i, i, i, i, i, p, ll, p, p, p, p, ll, i, i],
                           i)

@@ -406,12 +406,30 @@ int plimsoll_half_gemv(int kind, int m, int k, const float *x, i64 ldx, const vo
  *
  *   y[i, j] = sum_g scale[j, g] * (q[j, g] . x[i, g]) + bias[j, g] * sum(x[i, g])
  *
- * so each row of a (x's row i at a + i * lda) holds x's k values and then its k/group
- * group sums. The weight's words are read once and widened to float32 in registers, 8
- * values at a time (a word broadcast to every lane, each lane shifting its own value
- * out). */
+ * Each row of a (x's row i at a + i * lda) holds x's k values; the shim sums each group
+ * of them itself, once per product, before any thread reads the weight (made in MLX's
+ * graph, they cost a decode step four or five more operations per product). The
+ * weight's words are read once and widened to float32 in registers, 8 values at a time
+ * (a word broadcast to every lane, each lane shifting its own value out). */
 typedef int v8i32 __attribute__((vector_size(32)));
 enum { SCALE_BF16 = 0, SCALE_F16 = 1, SCALE_F32 = 2 };
+/* The group sums a product holds on its stack (64 KB): a weight has at most this many
+ * groups along k, and a product sums as many rows at a time as fit. */
+enum { QUANT_SUMS = 16384 };
+
+/* Each row's group sums (x's row i at a + i * lda) at sums[i * (k / group) + g], 8 lanes
+ * at a time on every ISA: the same sums, whichever kernel reads them. */
+static void group_sums(int m, int k, int group, const float *a, i64 lda, float *sums) {
+  const int groups = k / group;
+  for (int i = 0; i < m; i++)
+    for (int g = 0; g < groups; g++) {
+      const float *x = a + i * lda + (i64)g * group;
+      v8f v = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int t = 0; t < group; t += 8) v += *(const v8f *)(x + t);
+      float lo = (v[0] + v[4]) + (v[1] + v[5]), hi = (v[2] + v[6]) + (v[3] + v[7]);
+      sums[i * groups + g] = lo + hi;
+    }
+}
 
 static inline float scale_at(int skind, const void *p, i64 idx) {
   if (skind == SCALE_F32) return ((const float *)p)[idx];
@@ -465,8 +483,8 @@ static inline float scale_at(int skind, const void *p, i64 idx) {
                                                                                             \
   ATTR static inline __attribute__((always_inline)) void qblock_##SUFFIX(                   \
       const int bits, const int MB, int k, int group, int skind, const float *a, i64 lda,   \
-      const unsigned char *wr, i64 s0, const void *scales, const void *biases, float *y,    \
-      i64 ldy) {                                                                            \
+      const float *sums, const unsigned char *wr, i64 s0, const void *scales,               \
+      const void *biases, float *y, i64 ldy) {                                              \
     const int G = MB == 1 ? 4 : MB == 2 ? 2 : 1;                                            \
     v8f tot[4];                                                                             \
     UNROLL for (int i = 0; i < MB; i++) tot[i] = (v8f){0, 0, 0, 0, 0, 0, 0, 0};             \
@@ -478,7 +496,7 @@ static inline float scale_at(int skind, const void *p, i64 idx) {
     UNROLL for (int i = 0; i < MB; i++) {                                                   \
       v8f v = tot[i];                                                                       \
       float r = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));          \
-      const float *xs = a + i * lda + k;                                                    \
+      const float *xs = sums + i * groups;                                                  \
       float b0 = 0, b1 = 0, b2 = 0, b3 = 0; /* four chains of the biases' sum */          \
       int gi = 0;                                                                           \
       for (; gi + 4 <= groups; gi += 4) {                                                   \
@@ -494,36 +512,39 @@ static inline float scale_at(int skind, const void *p, i64 idx) {
                                                                                             \
   ATTR static inline __attribute__((always_inline)) void qrows_##SUFFIX(                    \
       const int bits, int group, int skind, int m, int k, const float *a, i64 lda,          \
-      const unsigned char *w, const void *scales, const void *biases, float *y, i64 ldy,    \
-      int j0, int j1) {                                                                     \
+      const float *sums, const unsigned char *w, const void *scales, const void *biases,    \
+      float *y, i64 ldy, int j0, int j1) {                                                  \
     i64 ldw = (i64)k * bits / 8, lds = k / group;                                           \
     for (int j = j0; j < j1; j++) {                                                         \
       const unsigned char *wr = w + j * ldw;                                                \
       for (int i0 = 0; i0 < m; i0 += 4) {                                                   \
-        const float *ab = a + i0 * lda;                                                     \
+        const float *ab = a + i0 * lda, *sb = sums + i0 * lds;                              \
         float *yb = y + i0 * ldy + j;                                                       \
         switch (m - i0 < 4 ? m - i0 : 4) {                                                  \
-        case 1: qblock_##SUFFIX(bits, 1, k, group, skind, ab, lda, wr, j * lds, scales,     \
-                                biases, yb, ldy); break;                                    \
-        case 2: qblock_##SUFFIX(bits, 2, k, group, skind, ab, lda, wr, j * lds, scales,     \
-                                biases, yb, ldy); break;                                    \
-        case 3: qblock_##SUFFIX(bits, 3, k, group, skind, ab, lda, wr, j * lds, scales,     \
-                                biases, yb, ldy); break;                                    \
-        default: qblock_##SUFFIX(bits, 4, k, group, skind, ab, lda, wr, j * lds, scales,    \
-                                 biases, yb, ldy); break;                                   \
+        case 1: qblock_##SUFFIX(bits, 1, k, group, skind, ab, lda, sb, wr, j * lds,         \
+                                scales, biases, yb, ldy); break;                            \
+        case 2: qblock_##SUFFIX(bits, 2, k, group, skind, ab, lda, sb, wr, j * lds,         \
+                                scales, biases, yb, ldy); break;                            \
+        case 3: qblock_##SUFFIX(bits, 3, k, group, skind, ab, lda, sb, wr, j * lds,         \
+                                scales, biases, yb, ldy); break;                            \
+        default: qblock_##SUFFIX(bits, 4, k, group, skind, ab, lda, sb, wr, j * lds,        \
+                                 scales, biases, yb, ldy); break;                           \
         }                                                                                   \
       }                                                                                     \
     }                                                                                       \
   }                                                                                         \
                                                                                             \
   ATTR static void quant_gemv_##SUFFIX(int bits, int group, int skind, int m, int k,        \
-                                       const float *a, i64 lda, const unsigned char *w,     \
-                                       const void *scales, const void *biases, float *y,    \
-                                       i64 ldy, int j0, int j1) {                           \
+                                       const float *a, i64 lda, const float *sums,          \
+                                       const unsigned char *w, const void *scales,          \
+                                       const void *biases, float *y, i64 ldy, int j0,       \
+                                       int j1) {                                            \
     if (bits == 4)                                                                          \
-      qrows_##SUFFIX(4, group, skind, m, k, a, lda, w, scales, biases, y, ldy, j0, j1);     \
+      qrows_##SUFFIX(4, group, skind, m, k, a, lda, sums, w, scales, biases, y, ldy, j0,    \
+                     j1);                                                                   \
     else                                                                                    \
-      qrows_##SUFFIX(8, group, skind, m, k, a, lda, w, scales, biases, y, ldy, j0, j1);     \
+      qrows_##SUFFIX(8, group, skind, m, k, a, lda, sums, w, scales, biases, y, ldy, j0,    \
+                     j1);                                                                   \
   }
 
 QUANT_FUNCS(portable, , v8f, 8, Q8, FOLD8)
@@ -554,26 +575,43 @@ AVX512_ATTR static inline __attribute__((always_inline)) v16f q16(int bits,
 QUANT_FUNCS(avx512, AVX512_ATTR, v16f, 16, Q16, FOLD16)
 #endif
 
-/* bits 4 or 8; group a multiple of 16 that divides k; skind SCALE_*. Returns -1 for
- * arguments it does not take. */
+/* The product with x's group sums given (`group_sums`), arguments as checked below. */
+static void quant_rows(int bits, int group, int skind, int m, int k, const float *a, i64 lda,
+                       const float *sums, const void *w, const void *scales,
+                       const void *biases, float *y, i64 ldy, int j0, int j1) {
+#if defined(__x86_64__)
+  switch (plimsoll_half_isa()) {
+  case 2:
+    quant_gemv_avx512(bits, group, skind, m, k, a, lda, sums, w, scales, biases, y, ldy, j0,
+                      j1);
+    return;
+  case 1:
+    quant_gemv_avx2(bits, group, skind, m, k, a, lda, sums, w, scales, biases, y, ldy, j0,
+                    j1);
+    return;
+  }
+#endif
+  quant_gemv_portable(bits, group, skind, m, k, a, lda, sums, w, scales, biases, y, ldy, j0,
+                      j1);
+}
+
+/* bits 4 or 8; group a multiple of 16 that divides k (at most QUANT_SUMS groups); skind
+ * SCALE_*. Returns -1 for arguments it does not take. */
 int plimsoll_quant_gemv(int bits, int group, int skind, int m, int k, const float *a,
                         i64 lda, const void *w, const void *scales, const void *biases,
                         float *y, i64 ldy, int j0, int j1) {
   if ((bits != 4 && bits != 8) || group < 16 || group % 16 || k < group || k % group ||
-      skind < SCALE_BF16 || skind > SCALE_F32 || m < 1 || m > HALF_ROWS || j0 < 0 ||
-      j1 < j0 || lda < k + k / group)
+      k / group > QUANT_SUMS || skind < SCALE_BF16 || skind > SCALE_F32 || m < 1 ||
+      m > HALF_ROWS || j0 < 0 || j1 < j0 || lda < k)
     return -1;
-#if defined(__x86_64__)
-  switch (plimsoll_half_isa()) {
-  case 2:
-    quant_gemv_avx512(bits, group, skind, m, k, a, lda, w, scales, biases, y, ldy, j0, j1);
-    return 0;
-  case 1:
-    quant_gemv_avx2(bits, group, skind, m, k, a, lda, w, scales, biases, y, ldy, j0, j1);
-    return 0;
+  float sums[QUANT_SUMS];
+  const int step = QUANT_SUMS / (k / group);
+  for (int r0 = 0; r0 < m; r0 += step) {
+    const int r = m - r0 < step ? m - r0 : step;
+    group_sums(r, k, group, a + r0 * lda, lda, sums);
+    quant_rows(bits, group, skind, r, k, a + r0 * lda, lda, sums, w, scales, biases,
+               y + r0 * ldy, ldy, j0, j1);
   }
-#endif
-  quant_gemv_portable(bits, group, skind, m, k, a, lda, w, scales, biases, y, ldy, j0, j1);
   return 0;
 }
 
@@ -583,8 +621,8 @@ int plimsoll_quant_gemv(int bits, int group, int skind, int m, int k, const floa
  * copies in and out). Instead engine/fast_prefill.py registers a layer's weight here and
  * hands MLX a float32 view of its bits (n x K: K = k/2 for half precision, k * bits / 32
  * for a quantized weight's words) and the float32 activations laid out as F x m rows of
- * K (a real row spread over F of them: F = 2 for half precision, x's values and group
- * sums rounded up for a quantized weight): MLX's own float32 product then calls
+ * K (a real row spread over F of them: F = 2 for half precision, 32 / bits for a
+ * quantized weight): MLX's own float32 product then calls
  * cblas_sgemm above with that weight, and the product is the kernel's, inside MLX's lazy
  * graph. The real y fills the first m rows of the F m x n output. Only a registered
  * pointer takes this path, and engine/fast_prefill.py keeps each registered buffer alive
@@ -635,7 +673,8 @@ int plimsoll_half_register(const void *p, int n, int k, int kind) {
 int plimsoll_quant_register(const void *p, int n, int k, int bits, int group,
                             const void *scales, const void *biases, int skind) {
   if (!p || !scales || !biases || n < 1 || (bits != 4 && bits != 8) || group < 16 ||
-      group % 16 || k < group || k % group || skind < SCALE_BF16 || skind > SCALE_F32)
+      group % 16 || k < group || k % group || k / group > QUANT_SUMS || skind < SCALE_BF16 ||
+      skind > SCALE_F32)
     return -1;
   return shown_slot(p, n, k, skind, bits, group, scales, biases);
 }
@@ -661,9 +700,8 @@ static void shown_shape(int s, int *K, int *F) {
     *F = 2;
     return;
   }
-  int k = shown[s].k;
-  *K = (int)((i64)k * shown[s].bits / 32);
-  *F = (k + k / shown[s].group + *K - 1) / *K;
+  *K = (int)((i64)shown[s].k * shown[s].bits / 32);
+  *F = 32 / shown[s].bits;
 }
 
 
@@ -678,6 +716,9 @@ struct shown_job {
   i64 lda;
   float *c;
   i64 ldc;
+  /* A quantized product's group sums of every row (`group_sums`), taken once by the
+   * thread MLX calls us on; 0: each call takes its own (too many to hold). */
+  const float *sums;
 };
 
 static void shown_columns(const struct shown_job *job, int j0, int j1) {
@@ -688,6 +729,10 @@ static void shown_columns(const struct shown_job *job, int j0, int j1) {
     if (job->bits == 16 || job->bits == 32)
       plimsoll_half_gemv(job->kind, r, job->k, a, job->lda, job->w, job->k, c, job->ldc, j0,
                          j1);
+    else if (job->sums)
+      quant_rows(job->bits, job->group, job->kind, r, job->k, a, job->lda,
+                 job->sums + (i64)r0 * (job->k / job->group), job->w, job->scales,
+                 job->biases, c, job->ldc, j0, j1);
     else
       plimsoll_quant_gemv(job->bits, job->group, job->kind, r, job->k, a, job->lda, job->w,
                           job->scales, job->biases, c, job->ldc, j0, j1);
@@ -884,7 +929,7 @@ static int skinny_product(int order, int trans_a, int trans_b, int m, int n, int
       trans_b != TRANS || alpha != 1.f || beta != 0.f || ldb != k || lda < k || ldc < n ||
       (i64)m * n * k < skinny_min_macs)
     return 0;
-  struct shown_job job = {b, 0, 0, k, HALF_F32, 32, 0, m, a, lda, c, ldc};
+  struct shown_job job = {b, 0, 0, k, HALF_F32, 32, 0, m, a, lda, c, ldc, 0};
   if (!shared_product(&job, n))
     shown_columns(&job, 0, n);
   skinny_calls++;
@@ -909,7 +954,12 @@ static int shown_product(int order, int trans_a, int trans_b, int m, int n, int 
       return 1;
     }
     struct shown_job job = {b, shown[s].scales, shown[s].biases, shown[s].k, shown[s].kind,
-                            shown[s].bits, shown[s].group, m / F, a, (i64)F * K, c, ldc};
+                            shown[s].bits, shown[s].group, m / F, a, (i64)F * K, c, ldc, 0};
+    float sums[QUANT_SUMS]; /* the helpers read them while this thread waits for them */
+    if (job.bits < 16 && (i64)job.rows * (job.k / job.group) <= QUANT_SUMS) {
+      group_sums(job.rows, job.k, job.group, a, job.lda, sums);
+      job.sums = sums;
+    }
     if (!shared_product(&job, n))
       shown_columns(&job, 0, n);
     shown_calls++;

@@ -21,7 +21,6 @@ at load) and wraps them; `decode_attention` is its decode steps' attention."""
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass
 
@@ -140,7 +139,8 @@ def hide(m: nn.Module) -> None:
 def product(m: nn.Module, view: mx.array, x: mx.array) -> mx.array:
     """Decode rows of a shown layer through the shim's kernel, lazily like any MLX
     product: x's rows in float32, each spread over as many rows of the view's width as
-    the kernel reads (`_rows`), and the real y in the first rows of MLX's output. What it
+    it holds (2 for half precision, 32 / bits for a quantized weight, whose group sums
+    the kernel takes itself), and the real y in the first rows of MLX's output. What it
     adds is x and y in float32 (rows x the layer's sides, y a few times over), freed with
     the step. The result is in x's dtype.
 
@@ -151,9 +151,7 @@ def product(m: nn.Module, view: mx.array, x: mx.array) -> mx.array:
     k = int(x.shape[-1])
     rows = x.size // k
     a = x.astype(mx.float32)
-    if _quantized(m):
-        a = _rows(m, a.reshape(rows, k), width)
-    spread = a.size // (rows * width)
+    spread = k // width
     held: _Shown | None = m.__dict__.get("_shim_shown")
     view_t = held.view_t if held is not None and held.view is view else view.T
     # MLX's output is `spread` times the real one: a few rows at a time past a bound, so
@@ -171,29 +169,11 @@ def product(m: nn.Module, view: mx.array, x: mx.array) -> mx.array:
 
 
 def product_bytes(m: nn.Module, view: mx.array, rows: int) -> int:
-    """What `product` holds at most for `rows` rows, evaluated at once: x in float32, its
-    rows as the kernel reads them, MLX's output (`spread` times the real one, every part)
-    and y."""
+    """What `product` holds at most for `rows` rows, evaluated at once: x in float32 (as
+    the kernel reads it), MLX's output (`spread` times the real one, every part) and y."""
     n, width, k = int(view.shape[0]), int(view.shape[1]), in_features(m)
-    used = k + k // m.group_size if _quantized(m) else k
-    spread = math.ceil(used / width)
-    return rows * 4 * (k + spread * width + spread * n + n)
-
-
-def _rows(m: nn.Module, x32: mx.array, width: int) -> mx.array:
-    """x's rows as the kernel reads them, each a whole number of `width`s long: as they
-    are for half precision (2 x k/2); for a quantized weight its k values, its k/group
-    group sums, and zeros up to a multiple of the width."""
-    if not _quantized(m):
-        return x32
-    rows, k = int(x32.shape[0]), int(x32.shape[1])
-    sums = x32.reshape(rows, k // m.group_size, m.group_size).sum(axis=-1)
-    used = k + k // m.group_size
-    parts = [x32, sums]
-    pad = math.ceil(used / width) * width - used
-    if pad:
-        parts.append(mx.zeros((rows, pad), dtype=mx.float32))
-    return mx.concatenate(parts, axis=1)
+    spread = k // width
+    return rows * 4 * (k + spread * n + n)
 
 
 def kernel_reference(m: nn.Module, x: mx.array) -> mx.array:
@@ -201,12 +181,11 @@ def kernel_reference(m: nn.Module, x: mx.array) -> mx.array:
     `show_layers` checks the shown path against."""
     n = int(m["weight"].shape[0])
     x32 = x.astype(mx.float32).reshape(-1, x.shape[-1])
-    a = _rows(m, x32, 1)
     if _quantized(m):
-        arrays = _own_buffer(a, m["weight"], m["scales"], m["biases"])
+        arrays = _own_buffer(x32, m["weight"], m["scales"], m["biases"])
         kernel = blas.quant_gemv()
     else:
-        arrays = _own_buffer(a, m["weight"])
+        arrays = _own_buffer(x32, m["weight"])
         kernel = blas.half_gemv()
     if arrays is None or kernel is None:
         raise RuntimeError("the shim's kernel is not there or the arrays are not contiguous")

@@ -912,6 +912,34 @@ def test_a_shown_quantized_layer_runs_the_kernel_inside_mlx(bits):
     assert shim_decode.show(_quantized(8, 64, 3, 64, mx.bfloat16)) is None
 
 
+def test_a_quantized_product_sums_its_groups_once_or_per_call_for_the_same_bits():
+    """The kernel sums each row's groups itself. A product of 32,768 values a row in
+    groups of 32 holds 16 rows' sums (engine/cblas_shim.c QUANT_SUMS), taken once by
+    MLX's thread for every block of columns (and the helpers, the weight being large
+    enough to share); at 17 rows each call takes its own. The direct call's result bit
+    for bit either way, and within a bfloat16 rounding of MLX's float32 product."""
+    n, k, group = 80, 32768, 32
+    assert n * k // 2 >= blas.KERNEL_PARALLEL_MIN_BYTES
+    q = _quantized(n, k, 4, group, mx.bfloat16)
+    [shown] = shim_decode.show_layers([q])
+    view = shim_decode.shown_view(shown)
+    try:
+        for rows in (1, 16, 17):
+            x = mx.random.normal((rows, 1, k), key=mx.random.key(rows)).astype(mx.bfloat16)
+            before = blas.half_calls()
+            got = shim_decode.product(q, view, x)
+            mx.eval(got)
+            assert blas.half_calls() == before + 1
+            assert mx.array_equal(got, shim_decode.kernel_reference(q, x)).item(), rows
+            f32 = mx.quantized_matmul(x.astype(mx.float32), q.weight,
+                                      q.scales.astype(mx.float32),
+                                      q.biases.astype(mx.float32), transpose=True,
+                                      group_size=group, bits=4)
+            assert mx.allclose(got.astype(mx.float32), f32, atol=1e-2, rtol=2 ** -7).item()
+    finally:
+        shim_decode.hide(q)
+
+
 def test_a_tied_dense_lm_head_decodes_through_the_kernel():
     """A tied model's LM head is its embedding's `as_linear` (most small bfloat16 models):
     decode rows and a chunk shorter than a prefill's go through the kernel, lookups and
