@@ -147,6 +147,10 @@ union v16_halves {
   v16f w;
   v8f part[2];
 };
+/* An 8-lane vector's sum in one fixed order (every kernel's: each ISA gives the same bits);
+ * v a variable. */
+#define SUM8(v)                                                                             \
+  ((((v)[0] + (v)[4]) + ((v)[1] + (v)[5])) + (((v)[2] + (v)[6]) + ((v)[3] + (v)[7])))
 
 /* HALF_F32: a float32 weight through the same kernel (a skinny product, below). */
 enum { HALF_BF16 = 0, HALF_F16 = 1, HALF_F32 = 2, HALF_ROWS = 32 };
@@ -233,7 +237,7 @@ static float bf16_to_float(unsigned short h) {
     UNROLL for (int i = 0; i < MB; i++) {                                                   \
       v8f v = A == 4 ? (acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3])                    \
                      : acc[i][0] + acc[i][1];                                               \
-      float s = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));          \
+      float s = SUM8(v);                                                                    \
       for (int t = kv; t < k; t++) s += W1(kind, wr, t) * x[i * ldx + t];                  \
       y[i * ldy] = s;                                                                       \
     }                                                                                       \
@@ -426,8 +430,7 @@ static void group_sums(int m, int k, int group, const float *a, i64 lda, float *
       const float *x = a + i * lda + (i64)g * group;
       v8f v = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int t = 0; t < group; t += 8) v += *(const v8f *)(x + t);
-      float lo = (v[0] + v[4]) + (v[1] + v[5]), hi = (v[2] + v[6]) + (v[3] + v[7]);
-      sums[i * groups + g] = lo + hi;
+      sums[i * groups + g] = SUM8(v);
     }
 }
 
@@ -495,7 +498,7 @@ static inline float scale_at(int skind, const void *p, i64 idx) {
       qgroups_##SUFFIX(bits, MB, 1, g, group, skind, a, lda, wr, s0, scales, tot);          \
     UNROLL for (int i = 0; i < MB; i++) {                                                   \
       v8f v = tot[i];                                                                       \
-      float r = ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));          \
+      float r = SUM8(v);                                                                    \
       const float *xs = sums + i * groups;                                                  \
       float b0 = 0, b1 = 0, b2 = 0, b3 = 0; /* four chains of the biases' sum */          \
       int gi = 0;                                                                           \
