@@ -412,7 +412,7 @@ int plimsoll_half_gemv(int kind, int m, int k, const float *x, i64 ldx, const vo
  *
  * Each row of a (x's row i at a + i * lda) holds x's k values; the shim sums each group
  * of them itself, once per product, before any thread reads the weight (made in MLX's
- * graph, they cost a decode step four or five more operations per product). The
+ * graph, they cost a decode step seven more operations per product). The
  * weight's words are read once and widened to float32 in registers, 8 values at a time
  * (a word broadcast to every lane, each lane shifting its own value out). */
 typedef int v8i32 __attribute__((vector_size(32)));
