@@ -28,7 +28,7 @@ from service.desk import AdmissionDesk
 from service.engines import PoolAdapter
 from service.generate import GeneratePipeline, PipelineSettings
 from service.lifecycle import Lifecycle
-from service.metrics import RequestMetrics, register_memory_gauges
+from service.metrics import RequestMetrics, register_blas_info, register_memory_gauges
 from sessions.activity import ActiveSessions
 from sessions.admission import queue_from_settings
 from sessions.bank import SessionBank
@@ -133,6 +133,7 @@ class Service:
         self.engines.report = self.governor.report
         self.metrics = RequestMetrics(self._request_counts)
         register_memory_gauges(self.governor, self.reservations, pool)
+        register_blas_info(pool)
         self.pipeline = GeneratePipeline(
             pool, self.governor, self.bank, self.queue, self.reservations,
             self.active_sessions,

@@ -1,7 +1,8 @@
 """Request metrics (instruments from `telemetry.instruments`): admissions by verdict,
 requests running and waiting, time to first token, tokens generated; the service's
 memory gauges the governor does not register itself (marks, reservations, model bytes);
-and how the loaded models' prefill chunks ran (engine/fast_prefill.py).
+how the loaded models' prefill chunks ran (engine/fast_prefill.py); and which BLAS the
+process loaded (engine/blas.py).
 
 Every provider here reads a figure already held (the governor's last reading, the
 pool's measured sizes): a scrape runs them on the metrics listener's thread."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from engine import blas
 from engine.pool import ModelPool, ModelState
 from memory.governor import Governor
 from sessions.reservations import ReservationBook
@@ -75,3 +77,15 @@ def register_memory_gauges(governor: Governor, reservations: ReservationBook,
     inst.reserved.register(reservations, lambda r: r.reserved_bytes())
     inst.model_bytes.register(pool, loaded_model_bytes)
     inst.prefill_products.register(pool, prefill_products)
+
+
+def blas_series() -> dict[tuple[str, str, str, str], int]:
+    """plimsoll_blas_info's one series: the BLAS chosen at start (name, version, whether
+    it is an optimized one, threads of one call), valued 1 like any info metric."""
+    s = blas.state()
+    return {(s.name, s.version, "true" if s.optimized else "false", str(s.threads)): 1}
+
+
+def register_blas_info(owner: object, inst: Instruments | None = None) -> None:
+    """The provider of plimsoll_blas_info, held as long as `owner` lives."""
+    (inst or instruments()).blas_info.register(owner, lambda _owner: blas_series())

@@ -263,6 +263,8 @@ def status_view(r: control_pb2.GetMemoryStatusResponse) -> RenderableType:
     if rd.container_limit_bytes:
         rows.append(("container", f"{fmt_bytes(rd.container_usage_bytes)} used of "
                                   f"{fmt_bytes(rd.container_limit_bytes)}"))
+    if r.blas.description:
+        rows.append(("blas", r.blas.description))
     parts: list[RenderableType] = [_kv(rows), Text(""), models_table(list(r.models))]
     if r.leases:
         parts += [Text(""), leases_table(list(r.leases))]

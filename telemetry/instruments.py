@@ -162,6 +162,12 @@ class Instruments:
             m.create_observable_counter, names.METRIC_PREFILL_PRODUCTS,
             (names.LABEL_MODEL_ID, names.LABEL_PATH), "1", description)
         self._declare(names.METRIC_PREFILL_PRODUCTS, "counter", "1", description)
+        description = "The BLAS MLX's products go to, as labels (always 1)"
+        self.blas_info = _Labelled(
+            m.create_observable_gauge, names.METRIC_BLAS_INFO,
+            (names.LABEL_BLAS, names.LABEL_VERSION, names.LABEL_OPTIMIZED,
+             names.LABEL_THREADS), "1", description)
+        self._declare(names.METRIC_BLAS_INFO, "gauge", "1", description)
 
     def _declare(self, name: str, kind: str, unit: str, description: str) -> None:
         self.catalogue.append(Declared(name, kind, unit, description))

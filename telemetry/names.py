@@ -104,10 +104,18 @@ METRIC_COLD_COLLECTED = "plimsoll_session_disk_collected_total"
 METRIC_SESSION_HITS = "plimsoll_session_hits_total"  # by tier: ram | disk | miss
 # by model_id and path: converted | kernel (engine/fast_prefill.py)
 METRIC_PREFILL_PRODUCTS = "plimsoll_prefill_layer_products_total"
+# 1, one series: which BLAS MLX's products go to (engine/blas.py BlasState), as labels
+METRIC_BLAS_INFO = "plimsoll_blas_info"
 
 # -- metric labels that are not span attributes --------------------------------
 LABEL_MODEL_ID = "model_id"  # plimsoll_model_loaded_bytes, one series per loaded model
 LABEL_PATH = "path"  # plimsoll_prefill_layer_products_total: converted | kernel
+# plimsoll_blas_info: openblas | mkl | custom | reference | accelerate | default; the
+# library's version; "true" where an optimized BLAS was loaded; threads of one call
+LABEL_BLAS = "blas"
+LABEL_VERSION = "version"
+LABEL_OPTIMIZED = "optimized"
+LABEL_THREADS = "threads"
 
 # -- the gauges gateways route on (vLLM's names; Prometheus only, see docs/metrics.md) --
 # OpenTelemetry instrument names cannot hold a colon, so telemetry.prometheus exports

@@ -16,18 +16,21 @@ import re
 import subprocess
 import sys
 import textwrap
+import urllib.request
 from importlib.util import find_spec
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine import blas
 from engine.cache_dir import CACHE_ENV
 from engine.demo_models import ensure_demo_model
 from plimsoll.v1 import control_pb2, inference_pb2
+from telemetry import names
 from tests.support.near_tie import agree_but_at_a_near_tie
 from tests.support.processes import run_side_by_side
 from tools.bench_blas import LOGITS_ATOL, compare_greedy
-from tools.harness.server import ROOT, start_server, wait_all_serving
+from tools.harness.server import ROOT, free_port, start_server, wait_all_serving
 
 HAVE_MKL = sys.platform == "linux" and blas.find_mkl() is not None
 needs_mkl = pytest.mark.skipif(not HAVE_MKL, reason="needs the [mkl] extra (Linux x86_64)")
@@ -514,21 +517,25 @@ def test_greedy_tokens_identical_and_logits_close_in_process():
 def test_server_reports_its_blas_and_the_flag_gives_the_same_tokens(tmp_path, demo_path):
     """`plimsoll serve` with the optimized BLAS and with --no-optimized-blas, on tiny
     (float32) and small (bfloat16, whose prefill may go through float32 and the BLAS:
-    engine/fast_prefill.py): each reports its BLAS (status and log line), and greedy
-    Generate streams the same tokens on both."""
+    engine/fast_prefill.py): each reports its BLAS (status, log line and the
+    plimsoll_blas_info series on /metrics), and greedy Generate streams the same tokens
+    on both."""
     small = ensure_demo_model("small")
     prompts = ["Once upon a time, in a small village by the sea, there lived an old "
                "fisherman and his daughter.", "The quick brown fox", "def fibonacci(n):"]
     answers = {}
     sides = ((), (blas.FLAG,))
+    ports = [free_port() for _ in sides]
     servers = []
     try:
-        for args in sides:  # side by side
+        for args, port in zip(sides, ports, strict=True):  # side by side
             servers.append(start_server(tmp_path, "--model", str(demo_path), "--model",
-                                        str(small), *args, env=_env(), wait=False))
+                                        str(small), "--metrics-port", str(port), *args,
+                                        env=_env(), wait=False))
         wait_all_serving(servers)
         found = []
-        for srv, args in zip(servers, sides, strict=True):
+        for srv, args, port in zip(servers, sides, ports, strict=True):
+            series = _blas_series(port)
             with srv.stubs() as (control, inference):
                 info = control.GetMemoryStatus(control_pb2.GetMemoryStatusRequest(),
                                                timeout=30).blas
@@ -537,7 +544,7 @@ def test_server_reports_its_blas_and_the_flag_gives_the_same_tokens(tmp_path, de
                 assert len(models) == 2, models
                 answers[args] = {m: [_tokens(inference, m, p) for p in prompts]
                                  for m in models}
-            found.append((args, info, srv.log()))
+            found.append((args, info, srv.log(), series))
     except BaseException:
         for srv in servers:
             print(f"server log tail:\n{srv.log()[-3000:]}", file=sys.stderr)
@@ -545,7 +552,10 @@ def test_server_reports_its_blas_and_the_flag_gives_the_same_tokens(tmp_path, de
     finally:
         for srv in servers:
             srv.stop()
-    for args, info, log in found:
+    for args, info, log, series in found:
+        assert series == [{names.LABEL_BLAS: info.name, names.LABEL_VERSION: info.version,
+                           names.LABEL_OPTIMIZED: "true" if info.optimized else "false",
+                           names.LABEL_THREADS: str(info.threads)}], series
         if args:
             assert (info.name, info.optimized, info.threads) == ("reference", False, 1)
             assert info.reason == blas.FLAG
@@ -559,6 +569,14 @@ def test_server_reports_its_blas_and_the_flag_gives_the_same_tokens(tmp_path, de
                                    answers[(blas.FLAG,)]["small-v1"], strict=True):
         agree_but_at_a_near_tie(small, prompt, fast, stock)
     assert all(len(t) == 24 for seqs in answers[()].values() for t in seqs)
+
+
+def _blas_series(port: int) -> list[dict[str, str]]:
+    """The labels of each plimsoll_blas_info series valued 1 on a server's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return [dict(s.labels) for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == names.METRIC_BLAS_INFO and s.value == 1]
 
 
 def _tokens(inference, model_id: str, prompt: str) -> list[int]:

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from engine import blas
 from plimsoll.v1 import inference_pb2
 from service import cli
 from service.cli_common import GiB, fmt_bytes
@@ -59,6 +60,8 @@ def test_status_prints_level_marks_ceiling_pool_bank_and_models(plimsoll):
     for key in ("usage", "pool", "bank", "reservations", "requests", "admission limit"):
         assert f"\n{key} " in out, key
     assert "demo-tiny (default)" in out and "ready" in out and "4096" in out
+    # The server's own BLAS, its description wrapped over lines at the console's width.
+    assert f"blas {blas.state().description}" in " ".join(out.split())
 
 
 def test_status_json_has_every_figure_as_numbers(plimsoll):
