@@ -710,6 +710,48 @@ async def test_admission_counts_the_fp32_layer_of_a_bf16_model(tiny_bf16):
     assert grew >= conversion.weight_bytes
 
 
+class _RecordingGuard(PrefillGuard):
+    """The server's prefill guard, keeping each chunk's measured peak as the engine
+    reports it."""
+
+    def __init__(self, figures: PrefillFigures) -> None:
+        super().__init__(figures, 16, EngineSettings().prefill_step_size)
+        self.update(ceiling_bytes=64 << 30, abort_cap_bytes=64 << 30, non_mlx_bytes=0,
+                    tier=Tier.CUSTOM)
+        self.chunks: list[tuple[int, int, int]] = []
+
+    def observe(self, tokens: int, bytes_delta: int, prompt_tokens: int = 0) -> None:
+        self.chunks.append((tokens, bytes_delta, prompt_tokens))
+        super().observe(tokens, bytes_delta, prompt_tokens)
+
+
+@pytest.mark.parametrize("variant", ["bf16", "4bit"])
+async def test_a_fast_prefills_measured_peak_stays_within_what_admission_projects(variant):
+    """On a real engine thread with the defaults, each chunk of a 1,500-token prompt
+    through the float32 conversions peaks (MLX's own measure, as the server's guard
+    learns from it) within the estimate admission and the guard project with: the
+    stock figures plus the conversion's layer and activations. Converting more than a
+    layer at a time, or a conversion the figures did not count, would fail it."""
+    path = ensure_demo_variant("small", variant)
+    engine = ModelEngine("m", str(path), asyncio.get_running_loop(), EngineSettings())
+    try:
+        facts = await asyncio.wrap_future(engine.start())
+        assert facts.prefill_conversion is not None  # the conversion runs and is counted
+        figures = PrefillFigures(facts.kv_bytes_per_token, facts.attention_heads,
+                                 facts.prefill_conversion)
+        engine.prefill_planner = guard = _RecordingGuard(figures)
+        ids = [5 + (i * 7) % 900 for i in range(1500)]
+        converted = engine.fast_prefill.converted
+        await greedy(engine, "long", ids, max_tokens=2)
+        assert engine.fast_prefill.converted > converted
+    finally:
+        await asyncio.wrap_future(engine.stop())
+    assert [t for t, _, _ in guard.chunks] == [512, 512, 475], guard.chunks
+    for tokens, peak, prompt in guard.chunks:
+        assert 0 < peak <= figures.chunk_bytes(tokens, max(tokens, prompt)), guard.chunks
+    assert guard.cost_factor == 1.0
+
+
 def test_the_prefill_guard_counts_the_layer_before_every_chunk():
     """The enforcer's prefill guard projects a chunk with the converted layer's float32
     weight already allocated: near the abort line, it stops a chunk the stock path would
