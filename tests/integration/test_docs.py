@@ -477,6 +477,8 @@ def test_the_set_up_commands_are_the_readmes_two_and_ci_runs_the_test_one():
     assert test == ci_test_command()
     assert serve.startswith(SETUP_PREFIX) and test.startswith(SETUP_PREFIX)
     assert serve.endswith("&& .venv/bin/plimsoll serve"), serve
+    # The optimized BLAS comes with the serve command, no extra step (engine/blas.py).
+    assert "-e '.[blas]'" in serve, serve
     for b in of("sh"):
         for c in commands(b.text):
             if c.is_setup:
