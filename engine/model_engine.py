@@ -314,7 +314,8 @@ class ModelEngine:
         self._urgent = False
         self._last_delivery = 0.0
         # MLX on the CPU: a queued decode step runs before the next token can be read
-        # (`_publish_first_tokens`); on an accelerator the wait does not exist. Set at load.
+        # (`_publish_first_tokens`, `_end_at_max_tokens`); on an accelerator the wait does
+        # not exist. Set at load.
         self._early_first_token = False
 
     # -- called from any thread -------------------------------------------------
@@ -689,24 +690,12 @@ class ModelEngine:
                 continue
             if item.sent_first_early:  # this is the token _publish_first_tokens sent
                 item.sent_first_early = False
-                is_eos, pieces = False, []
+                pieces = []
             else:
-                is_eos, pieces = self._take_token(item, r.token, now)
-            stopped_by_text = item.text.stopped
-            reason = None
-            if stopped_by_text or r.finish_reason == "stop":
-                reason = FinishReason.STOP
-            elif r.finish_reason == "length":
-                reason = FinishReason.LENGTH
-            if stopped_by_text and r.finish_reason is None:
+                _, pieces = self._take_token(item, r.token, now)
+            if item.text.stopped and r.finish_reason is None:
                 text_stopped.append(item.uid)
-            if reason is not None and not stopped_by_text:
-                pieces += item.text.finish()
-                if item.text.stopped:  # the flushed tail completed a stop string
-                    reason = FinishReason.STOP
-            self._send_pieces(item, pieces, outbox)
-            if reason is not None:
-                outbox.append((item.sink, self._finished(item, reason, now)))
+            if self._settle(item, pieces, r.finish_reason, now, outbox) is not None:
                 finished.append(item)
                 if self._on_finish is not None and r.prompt_cache is not None:
                     self._store(item.request, r.prompt_cache, r.all_tokens or [])
@@ -717,6 +706,26 @@ class ModelEngine:
                 live.pop(f.uid, None)
                 by_id.pop(f.request.request_id, None)
         self._refresh_stats(live)
+
+    def _settle(self, item: _Live, pieces: list, finish: str | None, now: float,
+                outbox: list) -> FinishReason | None:
+        """Send a token's text pieces and, where the sequence ends with it (mlx-lm's
+        `finish`: "stop" or "length"; or a stop string its text completed), its end.
+        Returns why it ended, or None."""
+        stopped_by_text = item.text.stopped
+        reason = None
+        if stopped_by_text or finish == "stop":
+            reason = FinishReason.STOP
+        elif finish == "length":
+            reason = FinishReason.LENGTH
+        if reason is not None and not stopped_by_text:
+            pieces = pieces + item.text.finish()
+            if item.text.stopped:  # the flushed tail completed a stop string
+                reason = FinishReason.STOP
+        self._send_pieces(item, pieces, outbox)
+        if reason is not None:
+            outbox.append((item.sink, self._finished(item, reason, now)))
+        return reason
 
     def _take_token(self, item: _Live, token: int, now: float) -> tuple[bool, list]:
         """Count one sampled token; return whether it is the end-of-sequence (or a stop
@@ -775,6 +784,50 @@ class ModelEngine:
             self._send_pieces(item, pieces, outbox)
         self._refresh_stats(live)
 
+    def _end_at_max_tokens(self, gen, live, by_id, outbox) -> None:
+        """End, now, each sequence whose last token by max_tokens is already sampled.
+
+        mlx-lm returns a token from the *next* `next()`, after it has queued the step
+        that follows; for a sequence at its max_tokens that step is thrown away, and on
+        MLX's CPU backend queueing it runs most of it: the last token and the end came a
+        decode step late, and a lone request paid that step. Read such a token now (a
+        wait for the tail of the step just queued), send it with the end, and take the
+        sequence out of the batch. A stop id read here ends it as mlx-lm would ("stop").
+        The finish hook gets the batch's cache, which holds every token's KV but the
+        last's, with those tokens; a turn whose KV the session bank keeps takes mlx-lm's
+        path instead, so that the cache it stores holds the last token too. Not on an
+        accelerator (`_publish_first_tokens`)."""
+        batch = getattr(gen, "_generation_batch", None)
+        upcoming = getattr(batch, "_next_tokens", None)
+        if not self._early_first_token or upcoming is None:
+            return
+        ending = []
+        for pos, uid in enumerate(batch.uids):
+            item = live.get(uid)
+            # The sampled token not yet taken: none where the first went out early.
+            pending = 0 if item is None or item.sent_first_early else 1
+            if (item is not None and item.generated + pending >= item.request.max_tokens
+                    and not (self._on_finish is not None and item.request.session_id)):
+                ending.append((pos, item))
+        if not ending:
+            return
+        tokens = upcoming.tolist() if any(not i.sent_first_early for _, i in ending) else []
+        now = time.monotonic()
+        for pos, item in ending:
+            is_eos, pieces = False, []
+            if not item.sent_first_early:
+                is_eos, pieces = self._take_token(item, tokens[pos], now)
+            self._settle(item, pieces, "stop" if is_eos else "length", now, outbox)
+        caches = gen.remove([item.uid for _, item in ending],
+                            return_prompt_caches=self._on_finish is not None)
+        for _, item in ending:
+            live.pop(item.uid, None)
+            by_id.pop(item.request.request_id, None)
+            if item.uid in caches:  # every token's KV but the last's, and those tokens
+                cache, tokens = caches[item.uid]
+                self._store(item.request, cache, list(tokens))
+        self._refresh_stats(live)
+
     def _store(self, req: GenerationRequest, cache: list[Any], tokens: list[int]) -> None:
         """The finish hook, within the store gate's cap; a full gate skips the store."""
         if not self.store_gate.try_acquire():
@@ -799,6 +852,7 @@ class ModelEngine:
         self._publish_step(gen, responses, live, by_id, outbox)
         if prompt_responses:  # only a step that prefilled can start a sequence's decode
             self._publish_first_tokens(gen, live, outbox)
+        self._end_at_max_tokens(gen, live, by_id, outbox)
 
     def _reset_batch(self, gen, live, by_id, outbox, exc: Exception) -> BatchGenerator:
         """A failed step leaves the batch in an unknown state: end its requests with a

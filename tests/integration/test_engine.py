@@ -10,7 +10,7 @@ from mlx_lm.generate import BatchGenerator
 
 from engine.errors import Internal, Unavailable
 from engine.model_engine import EngineSettings, ModelEngine
-from engine.request import Chunk, Failed, Finished, GenerationRequest
+from engine.request import Chunk, Failed, Finished, FinishReason, GenerationRequest
 
 
 async def run(engine: ModelEngine, rid: str) -> list:
@@ -114,6 +114,70 @@ async def test_an_early_first_token_leaves_the_output_unchanged(demo_path):
     finally:
         await asyncio.wrap_future(engine.stop())
     assert info is not None
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 6])
+async def test_the_last_token_and_the_end_go_out_without_a_step_after_them(
+        demo_path, monkeypatch, max_tokens):
+    """mlx-lm returns a sequence's token from the step after it was sampled, so at its
+    max_tokens it runs a step only to throw it away; the engine reads that last token
+    at once and ends the request: a lone request runs max_tokens - 1 decode steps, with
+    the same tokens as the batch's own sequence. The finish hook gets every token's KV
+    but the last's, and those tokens. A turn the session bank keeps takes mlx-lm's path,
+    its stored cache holding the last token too."""
+    stored: dict[str, tuple[int, list[int]]] = {}
+
+    def on_finish(request: GenerationRequest, cache: list, tokens: list[int]) -> None:
+        stored[request.request_id] = (cache[0].offset, list(tokens))
+
+    engine = ModelEngine("tiny", str(demo_path), asyncio.get_running_loop(),
+                         on_finish=on_finish)
+    await asyncio.wrap_future(engine.start())
+    real_next = BatchGenerator.next
+    steps: list[int] = []
+
+    def counted_next(self):
+        if len(self._generation_batch) > 0:
+            steps.append(len(self._generation_batch))
+        return real_next(self)
+
+    monkeypatch.setattr(BatchGenerator, "next", counted_next)
+    prompt = [5, 6, 7, 8, 9]
+
+    async def generate(rid: str, session: str = "") -> tuple[list[int], Finished]:
+        sink: asyncio.Queue = asyncio.Queue()
+        engine.submit(GenerationRequest(rid, "tiny", prompt, max_tokens=max_tokens,
+                                        ignore_eos=True, session_id=session), sink)
+        events = []
+        while not events or not isinstance(events[-1], Finished | Failed):
+            events.append(await asyncio.wait_for(sink.get(), 30))
+        assert isinstance(events[-1], Finished), events[-1]
+        return [t for e in events if isinstance(e, Chunk) for t in e.token_ids], events[-1]
+
+    def direct() -> list[int]:
+        gen = BatchGenerator(engine.info.model)
+        gen.insert([prompt], max_tokens=[max_tokens])
+        out: list[int] = []
+        while len(out) < max_tokens:
+            out += [r.token for r in gen.next()[1]]
+        gen.close()
+        return out
+
+    try:
+        ours, end = await generate("a")
+        assert steps == [1] * (max_tokens - 1)
+        assert end.reason == FinishReason.LENGTH and end.completion_tokens == max_tokens
+        want = await asyncio.wrap_future(engine.call(direct))
+        steps.clear()
+        kept, _ = await generate("s", session="chat")
+        assert steps == [1] * max_tokens  # mlx-lm's path: the step after the last too
+    finally:
+        await asyncio.wrap_future(engine.stop())
+    assert ours == want == kept
+    kv, tokens = stored["a"]
+    assert tokens == prompt + ours[:-1] and kv == len(tokens)
+    kv, tokens = stored["s"]
+    assert tokens == prompt + kept and kv == len(tokens)
 
 
 @pytest.mark.parametrize("wait_s,together", [(0.5, True), (0.0, False)])
