@@ -824,8 +824,8 @@ class ModelEngine:
             live.pop(item.uid, None)
             by_id.pop(item.request.request_id, None)
             if item.uid in caches:  # every token's KV but the last's, and those tokens
-                cache, tokens = caches[item.uid]
-                self._store(item.request, cache, list(tokens))
+                cache, held = caches[item.uid]
+                self._store(item.request, cache, list(held))
         self._refresh_stats(live)
 
     def _store(self, req: GenerationRequest, cache: list[Any], tokens: list[int]) -> None:
