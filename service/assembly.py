@@ -133,7 +133,7 @@ class Service:
         self.engines.report = self.governor.report
         self.metrics = RequestMetrics(self._request_counts)
         register_memory_gauges(self.governor, self.reservations, pool)
-        register_blas_info(pool)
+        register_blas_info()
         self.pipeline = GeneratePipeline(
             pool, self.governor, self.bank, self.queue, self.reservations,
             self.active_sessions,

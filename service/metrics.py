@@ -86,6 +86,8 @@ def blas_series() -> dict[tuple[str, str, str, str], int]:
     return {(s.name, s.version, "true" if s.optimized else "false", str(s.threads)): 1}
 
 
-def register_blas_info(owner: object, inst: Instruments | None = None) -> None:
-    """The provider of plimsoll_blas_info, held as long as `owner` lives."""
-    (inst or instruments()).blas_info.register(owner, lambda _owner: blas_series())
+def register_blas_info(inst: Instruments | None = None) -> None:
+    """The provider of plimsoll_blas_info, once per process: the process has one BLAS,
+    so its owner is engine/blas.py itself (services built again in one process, as the
+    tests build them, replace it rather than add a series of 2)."""
+    (inst or instruments()).blas_info.register(blas, lambda _blas: blas_series())

@@ -17,7 +17,9 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.request
+from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -473,9 +475,11 @@ def test_macos_and_other_mlx_builds_are_left_alone(tmp_path, monkeypatch):
     assert blas._choose().name == "accelerate"
 
 
-def _child_cpu_cgroup(quota_us: int, period_us: int) -> Path:
-    """A child of this process's own cgroup v1 `cpu` hierarchy with that CFS quota; skips
-    where none can be made (no root, no v1 cpu controller mounted)."""
+@contextlib.contextmanager
+def _child_cpu_cgroup(quota_us: int, period_us: int) -> Iterator[Path]:
+    """A child of this process's own cgroup v1 `cpu` hierarchy with that CFS quota,
+    removed after (its processes must have exited); skips where none can be made (no
+    root, no v1 cpu controller mounted). Children a killed run left are removed first."""
     own = next((line.split(":", 2)[2] for line in
                 Path("/proc/self/cgroup").read_text().splitlines()
                 if "cpu" in line.split(":", 2)[1].split(",")), None)
@@ -483,26 +487,36 @@ def _child_cpu_cgroup(quota_us: int, period_us: int) -> Path:
                   if Path(p, "cpu.cfs_quota_us").exists()), None)
     if own is None or mount is None:
         pytest.skip("no cgroup v1 cpu controller here")
-    child = mount / own.lstrip("/") / f"plimsoll-test-cpu-{os.getpid()}"
+    parent = mount / own.lstrip("/")
+    for stale in parent.glob("plimsoll-test-cpu-*"):
+        with contextlib.suppress(OSError):  # another run's, still in use: left alone
+            stale.rmdir()
+    child = parent / f"plimsoll-test-cpu-{os.getpid()}"
     try:
         child.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot make a child cpu cgroup: {exc}")
+    try:
         (child / "cpu.cfs_period_us").write_text(str(period_us))
         (child / "cpu.cfs_quota_us").write_text(str(quota_us))
-    except OSError as exc:
-        with contextlib.suppress(OSError):
-            child.rmdir()
-        pytest.skip(f"cannot make a child cpu cgroup: {exc}")
-    return child
+        yield child
+    finally:
+        for _ in range(50):  # a process that has just exited may still be counted
+            try:
+                child.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
 
 
+@needs_openblas
 @pytest.mark.skipif(blas.usable_cpus() < 2, reason="the quota must bind below the CPUs")
 def test_a_real_cgroup_cpu_quota_sets_the_blas_threads():
     """A process started inside a child cgroup capped at one core (cgroup v1 CFS quota)
     runs the optimized BLAS on one thread where the affinity mask would give it every
     CPU: the threads OpenBLAS itself reports (`blas.state()`, which GetMemoryStatus and
     plimsoll_blas_info show)."""
-    child = _child_cpu_cgroup(50_000, 50_000)
-    try:
+    with _child_cpu_cgroup(50_000, 50_000) as child:
         code = ("import json, os, dataclasses; "
                 f"open({str(child / 'cgroup.procs')!r}, 'w').write(str(os.getpid())); "
                 "from engine import blas; "
@@ -510,13 +524,10 @@ def test_a_real_cgroup_cpu_quota_sets_the_blas_threads():
                 "dataclasses.asdict(blas.state())]))")
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(),
                               capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        affinity, usable, state = json.loads(proc.stdout)
-    finally:
-        child.rmdir()  # empty again: its one process has exited
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    affinity, usable, state = json.loads(proc.stdout)
     assert affinity >= 2 and usable == 1
-    if state["optimized"]:
-        assert state["threads"] == 1, state
+    assert state["optimized"] and state["threads"] == 1, state
 
 
 def test_cgroup_cpu_quota_v1_v2_and_ancestors():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
 
@@ -116,6 +117,8 @@ async def test_an_early_first_token_leaves_the_output_unchanged(demo_path):
     assert info is not None
 
 
+@pytest.mark.skipif(mx.default_device() != mx.cpu,
+                    reason="on an accelerator mlx-lm's own path is kept")
 @pytest.mark.parametrize("max_tokens", [1, 2, 6])
 async def test_the_last_token_and_the_end_go_out_without_a_step_after_them(
         demo_path, monkeypatch, max_tokens):
@@ -178,6 +181,56 @@ async def test_the_last_token_and_the_end_go_out_without_a_step_after_them(
     assert tokens == prompt + ours[:-1] and kv == len(tokens)
     kv, tokens = stored["s"]
     assert tokens == prompt + kept and kv == len(tokens)
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu,
+                    reason="on an accelerator mlx-lm's own path is kept")
+async def test_sequences_that_end_early_leave_the_rest_of_their_batch_as_it_was(
+        demo_path):
+    """Three requests decoding together: one ends at 2 tokens and one at 5, read ahead
+    and taken out of the batch while the others go on; the third's last token by
+    max_tokens is one of its stop ids, read ahead too, which ends it as a stop (the id
+    withheld, as mlx-lm ends it). Every token is the batch's own sequence, from mlx-lm's
+    BatchGenerator driven directly."""
+    engine = ModelEngine("tiny", str(demo_path), asyncio.get_running_loop(),
+                         EngineSettings(burst_wait_s=0.5, burst_gap_s=0.05))
+    await asyncio.wrap_future(engine.start())
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13], [21, 22, 23, 24, 25, 26, 27]]
+    lengths = [2, 5, 7]
+
+    def direct() -> list[list[int]]:
+        gen = BatchGenerator(engine.info.model)
+        uids = gen.insert(prompts, max_tokens=lengths)
+        out: dict[int, list[int]] = {u: [] for u in uids}
+        while any(len(out[u]) < n for u, n in zip(uids, lengths, strict=True)):
+            for r in gen.next()[1]:
+                out[r.uid].append(r.token)
+        gen.close()
+        return [out[u] for u in uids]
+
+    async def generate(i: int, stop: tuple[int, ...]) -> tuple[list[int], Finished]:
+        sink: asyncio.Queue = asyncio.Queue()
+        engine.submit(GenerationRequest(f"r{i}", "tiny", prompts[i], max_tokens=lengths[i],
+                                        ignore_eos=True, stop_token_ids=stop), sink)
+        events = []
+        while not events or not isinstance(events[-1], Finished | Failed):
+            events.append(await asyncio.wait_for(sink.get(), 30))
+        assert isinstance(events[-1], Finished), events[-1]
+        return [t for e in events if isinstance(e, Chunk) for t in e.token_ids], events[-1]
+
+    try:
+        want = await asyncio.wrap_future(engine.call(direct))
+        last = want[2][-1]
+        assert last not in want[2][:-1]  # so that the stop id ends it at its last token
+        got = await asyncio.gather(generate(0, ()), generate(1, ()), generate(2, (last,)))
+    finally:
+        await asyncio.wrap_future(engine.stop())
+    (a, end_a), (b, end_b), (c, end_c) = got
+    assert (a, b) == (want[0], want[1])
+    assert end_a.reason == end_b.reason == FinishReason.LENGTH
+    assert (end_a.completion_tokens, end_b.completion_tokens) == (2, 5)
+    assert c == want[2][:-1] and end_c.reason == FinishReason.STOP
+    assert end_c.matched_stop_token == last and end_c.completion_tokens == 6
 
 
 @pytest.mark.parametrize("wait_s,together", [(0.5, True), (0.0, False)])

@@ -14,9 +14,12 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine import blas
 from plimsoll.v1 import inference_pb2, inference_pb2_grpc
+from service.metrics import register_blas_info
 from service.server import PlimsollServer, ServerConfig
 from telemetry import names
+from telemetry.instruments import instruments
 from telemetry.prometheus import metric_names
 from tests.unit.test_grafana_dashboard import exprs, load, parse
 from tools.harness.server import free_port, serving
@@ -157,3 +160,13 @@ async def test_listener_stops_with_the_drain():
         await server.drain()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), 1).close()
+
+
+def test_the_blas_info_series_stays_one_however_many_services_register_it():
+    """Services built again in one process (the tests build many) each register the
+    BLAS's info series: it stays one series valued 1, labelled as the process's BLAS."""
+    register_blas_info()
+    register_blas_info()
+    s = blas.state()
+    key = (s.name, s.version, "true" if s.optimized else "false", str(s.threads))
+    assert instruments().blas_info.read() == {key: 1}
