@@ -14,14 +14,27 @@ from engine.model_engine import EngineSettings, ModelEngine
 from engine.request import Chunk, Failed, Finished, FinishReason, GenerationRequest
 
 
-async def run(engine: ModelEngine, rid: str) -> list:
+async def events_of(engine: ModelEngine, request: GenerationRequest) -> list:
+    """Submits the request; its events up to and with its end."""
     sink: asyncio.Queue = asyncio.Queue()
-    engine.submit(GenerationRequest(rid, "tiny", [5, 6, 7], max_tokens=4, ignore_eos=True),
-                  sink)
+    engine.submit(request, sink)
     events = []
     while not events or not isinstance(events[-1], Finished | Failed):
         events.append(await asyncio.wait_for(sink.get(), 30))
     return events
+
+
+async def tokens_and_end(engine: ModelEngine, request: GenerationRequest
+                         ) -> tuple[list[int], Finished]:
+    """The ids a request streamed and its end, which must be a Finished."""
+    events = await events_of(engine, request)
+    assert isinstance(events[-1], Finished), events[-1]
+    return [t for e in events if isinstance(e, Chunk) for t in e.token_ids], events[-1]
+
+
+async def run(engine: ModelEngine, rid: str) -> list:
+    return await events_of(engine, GenerationRequest(rid, "tiny", [5, 6, 7], max_tokens=4,
+                                                     ignore_eos=True))
 
 
 async def test_a_failed_step_ends_its_requests_and_the_engine_keeps_serving(
@@ -148,14 +161,8 @@ async def test_the_last_token_and_the_end_go_out_without_a_step_after_them(
     prompt = [5, 6, 7, 8, 9]
 
     async def generate(rid: str, session: str = "") -> tuple[list[int], Finished]:
-        sink: asyncio.Queue = asyncio.Queue()
-        engine.submit(GenerationRequest(rid, "tiny", prompt, max_tokens=max_tokens,
-                                        ignore_eos=True, session_id=session), sink)
-        events = []
-        while not events or not isinstance(events[-1], Finished | Failed):
-            events.append(await asyncio.wait_for(sink.get(), 30))
-        assert isinstance(events[-1], Finished), events[-1]
-        return [t for e in events if isinstance(e, Chunk) for t in e.token_ids], events[-1]
+        return await tokens_and_end(engine, GenerationRequest(
+            rid, "tiny", prompt, max_tokens=max_tokens, ignore_eos=True, session_id=session))
 
     def direct() -> list[int]:
         gen = BatchGenerator(engine.info.model)
@@ -208,15 +215,10 @@ async def test_sequences_that_end_early_leave_the_rest_of_their_batch_as_it_was(
         gen.close()
         return [out[u] for u in uids]
 
-    async def generate(i: int, stop: tuple[int, ...]) -> tuple[list[int], Finished]:
-        sink: asyncio.Queue = asyncio.Queue()
-        engine.submit(GenerationRequest(f"r{i}", "tiny", prompts[i], max_tokens=lengths[i],
-                                        ignore_eos=True, stop_token_ids=stop), sink)
-        events = []
-        while not events or not isinstance(events[-1], Finished | Failed):
-            events.append(await asyncio.wait_for(sink.get(), 30))
-        assert isinstance(events[-1], Finished), events[-1]
-        return [t for e in events if isinstance(e, Chunk) for t in e.token_ids], events[-1]
+    def generate(i: int, stop: tuple[int, ...]):
+        return tokens_and_end(engine, GenerationRequest(
+            f"r{i}", "tiny", prompts[i], max_tokens=lengths[i], ignore_eos=True,
+            stop_token_ids=stop))
 
     try:
         want = await asyncio.wrap_future(engine.call(direct))
