@@ -127,6 +127,38 @@ def test_concurrent_greedy_equals_solo(server, inference):
     assert out and all(o == solo for o in out)
 
 
+def test_clients_of_different_lengths_at_once_end_at_their_max_tokens(server, inference,
+                                                                        control):
+    """Six clients at once with max_tokens 1 to 13: the engine ends each as soon as its
+    last token is sampled and takes it out of the batch while the others decode on
+    (engine/model_engine.py `_end_at_max_tokens`). Each gets its solo greedy tokens and
+    a length end counting them, and no sequence is left in the batch."""
+    lengths = (1, 2, 3, 5, 8, 13)
+    solo = {n: tokens_of(run(inference, text="end me", max_tokens=n, ignore_eos=True))
+            for n in lengths}
+    out: dict[int, list] = {}
+
+    def client(n: int) -> None:
+        with server.channel() as ch:
+            from plimsoll.v1 import inference_pb2_grpc
+
+            out[n] = run(inference_pb2_grpc.InferenceServiceStub(ch), text="end me",
+                         max_tokens=n, ignore_eos=True)
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in lengths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(out) == list(lengths)
+    for n, msgs in out.items():
+        end = msgs[-1].end
+        assert tokens_of(msgs) == solo[n] and len(solo[n]) == n
+        assert end.finish_reason == inference_pb2.FINISH_REASON_LENGTH
+        assert end.usage.completion_tokens == n
+    wait_idle(control)
+
+
 def test_token_id_prompt_and_chat(inference, demo_path):
     _, tokenizer = mlx_lm.load(str(demo_path))
     ids = tokenizer.encode("hello there")

@@ -167,6 +167,5 @@ def test_the_blas_info_series_stays_one_however_many_services_register_it():
     BLAS's info series: it stays one series valued 1, labelled as the process's BLAS."""
     register_blas_info()
     register_blas_info()
-    s = blas.state()
-    key = (s.name, s.version, "true" if s.optimized else "false", str(s.threads))
-    assert instruments().blas_info.read() == {key: 1}
+    ((key, value),) = instruments().blas_info.read().items()
+    assert value == 1 and key[0] == blas.state().name
