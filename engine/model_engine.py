@@ -9,6 +9,7 @@ stop). Other threads talk to it only through the inbox and GIL-atomic flags.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import gc
@@ -65,6 +66,8 @@ IDLE_WAIT_S = 0.05
 # thread-local destructors run after the join.
 THREAD_SETTLE_S = 0.2
 THREAD_POLL_S = 0.01
+# How long the interpreter's exit waits for engine threads that were ending.
+EXIT_WAIT_S = 10.0
 _TASKS = Path("/proc/self/task")
 
 _T = TypeVar("_T")
@@ -498,6 +501,7 @@ class ModelEngine:
                 log.exception("freeing the memory of %s failed", self.model_id)
             self.stats = self._final_stats()
             self._sample = self._read_sample()
+            _ending_now()
             self.stopped.set_result(max(0, held - mx.get_active_memory()))
 
     def _load(self) -> LoadedModel:
@@ -529,6 +533,7 @@ class ModelEngine:
         outbox: list[tuple[asyncio.Queue, Event]] = []
         self._close_inbox(Unavailable(f"model {self.model_id} failed to load"), outbox)
         self._deliver(outbox, flush=True)
+        _ending_now()
         self.loaded.set_exception(exc)
         self.stopped.set_result(0)
 
@@ -1083,6 +1088,33 @@ async def wait_threads_gone(threads: Sequence[threading.Thread], timeout_s: floa
         # No way to see the OS thread end: give its destructors a moment instead.
         await asyncio.sleep(THREAD_SETTLE_S)
     return True
+
+
+# Engine threads that resolved `stopped` and are about to end. Set on the engine thread
+# before the future resolves, so a caller that awaits `stop()` and returns cannot reach
+# the interpreter's exit before its thread is here.
+_ending: set[threading.Thread] = set()
+_ending_lock = threading.Lock()
+
+
+def _ending_now() -> None:
+    with _ending_lock:
+        _ending.difference_update([t for t in _ending if thread_gone(t)])
+        _ending.add(threading.current_thread())
+
+
+def _wait_for_ending_threads() -> None:
+    """At the interpreter's exit, until every ending engine thread is gone: a script
+    that awaits `stop()` and returns would otherwise finalize while the thread's
+    destructors run, and abort (`thread_gone`). The server waits for its threads
+    itself; this covers whoever runs a `ModelEngine` directly."""
+    with _ending_lock:
+        threads = [t for t in _ending if not thread_gone(t)]
+    if threads:
+        asyncio.run(wait_threads_gone(threads, EXIT_WAIT_S))
+
+
+atexit.register(_wait_for_ending_threads)
 
 
 def _put_all(outbox: list[tuple[asyncio.Queue, Event]]) -> None:
